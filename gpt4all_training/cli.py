@@ -1,0 +1,57 @@
+"""The `gpt4all-training` command: one subcommand per stage. Argument parsing only; the work is in the modules.
+
+A `UserError` anywhere below becomes one line on stderr and exit code 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import UserError
+
+# subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int.
+COMMANDS = {
+    "clean": ("gpt4all_training.clean", "normalise raw JSONL into prompt/response/source records"),
+    "data": ("gpt4all_training.data", "tokenise a dataset and show examples and statistics"),
+    "train": ("gpt4all_training.train", "fine-tune a model (run under python, accelerate launch or torchrun)"),
+    "inference": ("gpt4all_training.inference", "per-example loss and embeddings over the training data"),
+    "build_map": ("gpt4all_training.build_map", "an interactive HTML map of inference embeddings"),
+    "generate": ("gpt4all_training.generate", "generate text from a trained model"),
+    "export": ("gpt4all_training.export", "export a checkpoint as a slim HF folder or a GGUF file"),
+    "tokenizer": ("gpt4all_training.tokenizer", "train a byte-level BPE tokenizer"),
+    "plan": ("gpt4all_training.plan", "print the step, memory and time arithmetic of a config"),
+    "check": ("gpt4all_training.check", "pre-flight checks before a long run"),
+}
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """All subcommands are listed; only the selected one's module is imported (torch is slow to import)."""
+    parser = argparse.ArgumentParser(prog="gpt4all-training", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(module=module)
+        if name == selected:
+            importlib.import_module(module).add_arguments(sub_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    try:
+        code = importlib.import_module(args.module).run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)
+
+
+def run_as_script(command: str) -> None:
+    """Entry for the top-level scripts: `python train.py ARGS` == `gpt4all-training train ARGS`."""
+    main([command, *sys.argv[1:]])

@@ -1,0 +1,293 @@
+"""Loading prompt/response data and tokenising it with prompt-masked labels (loss only on the response and its EOS).
+
+The boundary is exact at the token level: the prompt and the response are tokenised separately and their ids
+concatenated. Labels follow the Hugging Face convention (the model shifts them): a trained position holds its own
+input id, every other position holds -100. Label 0 is always -100, since nothing predicts the first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------- prompt format (shared with generation)
+
+def resolve_template(template: str, tokenizer) -> str:
+    if template == "auto":
+        return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+    if template == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise UserError("prompt_template: 'chat' needs a tokenizer with a chat template; use 'plain'")
+    return template
+
+
+def format_prompt(prompt: str, tokenizer, template: str) -> str:
+    """The text the model sees before the response, in training and in generation alike."""
+    if template == "chat":
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt + "\n"
+
+
+def encode_prompts(prompts: list[str], tokenizer, template: str) -> list[list[int]]:
+    """Token ids of formatted prompts. A chat template writes its own special tokens; plain text gets the tokenizer's."""
+    texts = [format_prompt(p, tokenizer, template) for p in prompts]
+    return tokenizer(texts, add_special_tokens=(template == "plain"))["input_ids"]
+
+
+# ---------------------------------------------------------------- labels (pure)
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+    truncated_prompt: bool
+    truncated_response: bool
+
+    @property
+    def n_trained(self) -> int:
+        return sum(label != IGNORE for label in self.labels)
+
+
+def build_example(prompt_ids: list[int], response_ids: list[int], eos_id: int, max_length: int,
+                  keep_head: int = 0) -> Example:
+    """Concatenate prompt, response and EOS into at most `max_length` tokens with prompt-masked labels.
+
+    If it does not fit, the prompt keeps its first `keep_head` tokens (a BOS) and its end (the question is
+    usually last), shrinking to no less than max_length // 2 while the response needs room; the response then
+    keeps as much as fits. A cut response gets no EOS: the model must not learn to stop mid-answer.
+    """
+    prompt, response = list(prompt_ids), list(response_ids)
+    truncated_prompt = truncated_response = False
+    if len(prompt) + len(response) + 1 > max_length:
+        prompt_budget = min(len(prompt), max(max_length // 2, max_length - len(response) - 1))
+        if len(prompt) > prompt_budget:
+            head = prompt[:min(keep_head, prompt_budget)]
+            tail_len = prompt_budget - len(head)
+            prompt = head + (prompt[len(prompt) - tail_len:] if tail_len > 0 else [])
+            truncated_prompt = True
+    room = max_length - len(prompt)
+    if len(response) + 1 <= room:
+        target = response + [eos_id]
+    else:
+        target = response[:room]
+        truncated_response = True
+    input_ids = prompt + target
+    labels = [IGNORE] * len(prompt) + target
+    labels[0] = IGNORE
+    return Example(input_ids, labels, truncated_prompt, truncated_response)
+
+
+def keep_head_for(tokenizer, template: str) -> int:
+    """1 when plain-text encoding starts with a BOS the tokenizer added (truncation must keep it), else 0."""
+    if template != "plain" or tokenizer.bos_token_id is None:
+        return 0
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return 1 if ids and ids[0] == tokenizer.bos_token_id else 0
+
+
+def tokenize_batch(batch: dict[str, list], tokenizer, max_length: int, template: str) -> dict[str, list]:
+    """A batched `datasets.map` function: adds input_ids, labels and the bookkeeping columns for every row."""
+    prompts = [p if isinstance(p, str) else "" for p in batch["prompt"]]
+    responses = [r if isinstance(r, str) else "" for r in batch["response"]]
+    prompt_ids = encode_prompts(prompts, tokenizer, template)
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    keep_head = keep_head_for(tokenizer, template)
+    out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_trained", "length", "truncated_prompt",
+                                            "truncated_response", "drop_reason")}
+    for p_ids, r_ids in zip(prompt_ids, response_ids):
+        example = build_example(p_ids, r_ids, tokenizer.eos_token_id, max_length, keep_head)
+        reason = "empty_response" if not r_ids else ("no_trained_tokens" if example.n_trained == 0 else "")
+        out["input_ids"].append(example.input_ids)
+        out["labels"].append(example.labels)
+        out["n_trained"].append(example.n_trained)
+        out["length"].append(len(example.input_ids))
+        out["truncated_prompt"].append(example.truncated_prompt)
+        out["truncated_response"].append(example.truncated_response)
+        out["drop_reason"].append(reason)
+    return out
+
+
+# ---------------------------------------------------------------- loading and splitting
+
+def local_data_files(path: Path) -> list[str] | None:
+    """The *_clean.jsonl files `dataset_path` names locally, or None when it is not local clean data."""
+    if path.is_file():
+        return [str(path)]
+    if path.is_dir():
+        files = sorted(glob.glob(str(path / "*_clean.jsonl")))
+        return files or None
+    return None
+
+
+def load_records(dataset_path: str, revision: str | None = None):
+    """A `datasets.Dataset` with at least prompt and response columns, plus a stable `index` column."""
+    import datasets
+
+    path = Path(dataset_path).expanduser()
+    files = local_data_files(path)
+    try:
+        if files is not None:
+            ds = datasets.load_dataset("json", data_files=files, split="train")
+        elif path.suffix in (".jsonl", ".json") or dataset_path.startswith((".", "/", "~")) and not path.exists():
+            raise UserError(f"dataset_path: {dataset_path} does not exist")
+        else:
+            # A Hub dataset id, or a local dataset repository folder: `revision` pins the exact data.
+            ds = datasets.load_dataset(dataset_path, revision=revision, split="train")
+    except UserError:
+        raise
+    except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
+        raise UserError(f"dataset_path {dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
+    except datasets.exceptions.DatasetGenerationError as exc:
+        cause = exc.__cause__ or exc
+        raise UserError(f"dataset_path {dataset_path}: unreadable JSONL ({str(cause).splitlines()[0][:200]}); "
+                        f"run clean.py on it first") from None
+    missing = [c for c in ("prompt", "response") if c not in ds.column_names]
+    if missing:
+        raise UserError(f"dataset_path {dataset_path}: records lack the field {missing[0]!r}; run clean.py first")
+    return ds.add_column("index", list(range(len(ds))))
+
+
+def split_records(ds, val_fraction: float, seed: int):
+    """(train, val) by `val_fraction` and `seed`: the same split every time, in training and inference alike."""
+    if val_fraction <= 0 or len(ds) < 2:
+        return ds, ds.select([])
+    n_val = max(1, round(len(ds) * val_fraction))
+    parts = ds.train_test_split(test_size=n_val, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: int | None):
+    return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc,
+                  fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template},
+                  desc="tokenising")
+
+
+def effective_num_proc(config, n_rows: int) -> int | None:
+    if config.streaming or n_rows < 2000:
+        return None  # worker start-up costs more than it saves on small data
+    return max(1, min(config.num_proc, os.cpu_count() or 1))
+
+
+@dataclass
+class DataStats:
+    count: int
+    dropped: dict[str, int]
+    truncated_prompt: int
+    truncated_response: int
+    lengths: dict[str, float]
+    trained_fraction: float
+
+    def describe(self, name: str) -> str:
+        lens = self.lengths
+        dropped = ", ".join(f"{k} {v}" for k, v in self.dropped.items()) or "none"
+        return (f"{name}: {self.count} examples; tokens min {lens['min']:.0f} median {lens['median']:.0f} "
+                f"p95 {lens['p95']:.0f} max {lens['max']:.0f}; truncated {self.truncated_prompt} prompts, "
+                f"{self.truncated_response} responses (no EOS); dropped {dropped}; "
+                f"trained-token fraction {self.trained_fraction:.3f}")
+
+
+def finish_split(tokenized) -> tuple[Any, DataStats]:
+    """Drop (and count) unusable rows; compute the statistics of what is kept."""
+    reasons = np.asarray(tokenized["drop_reason"], dtype=object)
+    dropped: dict[str, int] = {}
+    for reason in reasons[reasons != ""]:
+        dropped[reason] = dropped.get(reason, 0) + 1
+    kept = tokenized.filter(lambda r: [not x for x in r], input_columns=["drop_reason"], batched=True)
+    lengths = np.asarray(kept["length"]) if len(kept) else np.zeros(1)
+    trained = int(np.sum(kept["n_trained"])) if len(kept) else 0
+    stats = DataStats(
+        count=len(kept), dropped=dropped,
+        truncated_prompt=int(np.sum(kept["truncated_prompt"])) if len(kept) else 0,
+        truncated_response=int(np.sum(kept["truncated_response"])) if len(kept) else 0,
+        lengths={"min": float(lengths.min()), "median": float(np.median(lengths)),
+                 "p95": float(np.percentile(lengths, 95)), "max": float(lengths.max()),
+                 "mean": float(lengths.mean())},
+        trained_fraction=trained / max(1, int(lengths.sum())) if len(kept) else 0.0,
+    )
+    return kept, stats
+
+
+def load_data(config, tokenizer):
+    """Train and validation splits, tokenised, with the statistics of each: ((train, val), (train_stats, val_stats))."""
+    records = load_records(config.dataset_path, config.revision)
+    if len(records) == 0:
+        raise UserError(f"dataset_path {config.dataset_path}: no records")
+    train_raw, val_raw = split_records(records, config.val_fraction, config.seed)
+    template = resolve_template(config.prompt_template, tokenizer)
+    num_proc = effective_num_proc(config, len(records))
+    splits, stats = [], []
+    for raw in (train_raw, val_raw):
+        tokenized = tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc)
+        kept, split_stats = finish_split(tokenized)
+        splits.append(kept)
+        stats.append(split_stats)
+    if len(splits[0]) == 0:
+        raise UserError(f"dataset_path {config.dataset_path}: no trainable examples remain ({stats[0].dropped})")
+    return tuple(splits), tuple(stats)
+
+
+# ---------------------------------------------------------------- batching
+
+def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad to the longest row of this batch (right padding); padded labels are -100."""
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(row["input_ids"])
+        labels[i, :n] = torch.as_tensor(row["labels"])
+        attention_mask[i, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+# ---------------------------------------------------------------- `data.py --show N`
+
+def show_example(row: dict[str, Any], tokenizer) -> str:
+    """The example as text, with masked (untrained) spans in [[...]] and trained spans in plain text."""
+    parts, current, current_masked = [], [], None
+    for token, label in zip(row["input_ids"], row["labels"]):
+        masked = label == IGNORE
+        if current and masked != current_masked:
+            parts.append((current_masked, tokenizer.decode(current)))
+            current = []
+        current.append(token)
+        current_masked = masked
+    if current:
+        parts.append((current_masked, tokenizer.decode(current)))
+    return "".join(f"[[{text}]]" if masked else text for masked, text in parts)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="training config YAML")
+    parser.add_argument("--show", type=int, default=3, help="print this many tokenised examples")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .modeling import load_tokenizer
+
+    config = load_config(args.config, args.overrides)
+    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
+                               config.trust_remote_code)
+    (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
+    for row in train.select(range(min(args.show, len(train)))):
+        print(f"--- example {row['index']} ({row['n_trained']} trained tokens; [[masked]] text is not trained)")
+        print(show_example(row, tokenizer))
+    print(train_stats.describe("train"))
+    print(val_stats.describe("validation"))
+    return 0

@@ -1,0 +1,120 @@
+"""Loading a model and tokenizer from a Hub id, a local folder or a GGUF file; LoRA; optimiser parameter groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import UserError
+
+
+def model_source(name: str, gguf_file: str | None = None) -> tuple[str, dict[str, Any]]:
+    """Split `model_name` into what from_pretrained takes: a `.gguf` path becomes its folder plus `gguf_file`."""
+    if name.endswith(".gguf"):
+        path = Path(name)
+        if not path.is_file():
+            raise UserError(f"model_name: GGUF file {name} not found")
+        return str(path.parent), {"gguf_file": path.name}
+    if gguf_file:
+        return name, {"gguf_file": gguf_file}
+    looks_local = name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") > 1
+    if looks_local and not Path(name).expanduser().exists():
+        raise UserError(f"model_name: {name} does not exist; give a local folder or a Hub id like org/name")
+    return name, {}
+
+
+def is_adapter_folder(name: str) -> bool:
+    return (Path(name) / "adapter_config.json").is_file()
+
+
+def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None = None,
+                   trust_remote_code: bool = False):
+    """A fast tokenizer with a pad token: EOS stands in when the model has none (no new tokens are ever added)."""
+    from transformers import AutoTokenizer
+
+    source, extra = model_source(name, gguf_file)
+    if is_adapter_folder(source) and not (Path(source) / "tokenizer_config.json").is_file():
+        source = adapter_base(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
+                                                  trust_remote_code=trust_remote_code, **extra)
+    except OSError as exc:
+        raise UserError(f"tokenizer {name}: cannot load ({str(exc).splitlines()[0]})") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def adapter_base(adapter_dir: str) -> str:
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    return config["base_model_name_or_path"]
+
+
+def load_model(name: str, revision: str | None = None, gguf_file: str | None = None,
+               trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
+               gradient_checkpointing: bool = False):
+    """An AutoModelForCausalLM in `dtype`. An adapter folder loads as base plus adapter (a PeftModel)."""
+    from transformers import AutoModelForCausalLM
+
+    if is_adapter_folder(name):
+        from peft import PeftModel
+
+        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, gradient_checkpointing)
+        return PeftModel.from_pretrained(base, name)
+    source, extra = model_source(name, gguf_file)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
+                                                     low_cpu_mem_usage=True, trust_remote_code=trust_remote_code,
+                                                     **extra)
+    except OSError as exc:
+        raise UserError(f"model_name {name}: cannot load ({str(exc).splitlines()[0]})") from None
+    if extra.get("gguf_file"):
+        # GGUF weights arrive dequantised; drop the quantisation marker so the model saves as ordinary safetensors.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.is_quantized = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str] | None,
+               gradient_checkpointing: bool):
+    """Wrap `model` with a LoRA adapter; unset target modules means PEFT's default for the architecture."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=target_modules or None)
+    if gradient_checkpointing:
+        # Checkpointed blocks only recompute when their input needs grad; with frozen embeddings it would not.
+        model.enable_input_require_grads()
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise UserError(f"lora_target_modules: {exc}") from None
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: biases, norm weights and embeddings are exempt (as mesh-transformer-jax and CodeParrot)."""
+    no_decay_ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or id(param) in no_decay_ids else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -1,0 +1,96 @@
+"""Shared fixtures: a tiny GPT-J and a byte-level BPE tokenizer, built once per session and loaded by path,
+exactly as a user's local model folder would be. Everything stays offline and inside the repo's .cache/."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".cache"
+# Offline, and every cache inside the repo: set before transformers/datasets are imported anywhere.
+for key, value in {
+    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
+    "HF_HOME": str(CACHE / "hf"), "WANDB_DIR": str(CACHE / "wandb"), "WANDB_CACHE_DIR": str(CACHE / "wandb"),
+    "WANDB_CONFIG_DIR": str(CACHE / "wandb"), "TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions"),
+    "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+}.items():
+    os.environ.setdefault(key, value)
+
+SHARED_DATA = Path(os.environ.get("GPT4ALL_SHARED_DATA", REPO.parent / "shared" / "data"))
+DOLLY = SHARED_DATA / "dolly-sample.jsonl"
+OASST = SHARED_DATA / "oasst-sample.jsonl"
+PYTHON = sys.executable
+
+
+def dolly_texts(limit: int | None = None) -> list[str]:
+    texts = []
+    with open(DOLLY, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            texts.extend([row["instruction"], row["context"], row["response"]])
+    return texts[:limit] if limit else texts
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("assets")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(assets) -> Path:
+    from gpt4all_training.tokenizer import train_bpe_tokenizer
+
+    path = assets / "tokenizer"
+    tokenizer = train_bpe_tokenizer(dolly_texts(), vocab_size=1000)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from gpt4all_training.modeling import load_tokenizer
+
+    return load_tokenizer(str(tokenizer_dir))
+
+
+def build_tiny_gptj(tokenizer, seed: int = 0):
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTJConfig(vocab_size=len(tokenizer), n_positions=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=16,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        tie_word_embeddings=False)
+    return GPTJForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(assets, tokenizer_dir, tokenizer) -> Path:
+    """A 2-layer, width-64 GPT-J with its tokenizer, saved as a local model folder."""
+    path = assets / "tiny-gptj"
+    build_tiny_gptj(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def clean_dolly(assets) -> Path:
+    """The Dolly sample run through clean.py: a folder holding dolly-sample_clean.jsonl."""
+    from gpt4all_training.clean import clean
+
+    out = assets / "dolly-clean"
+    clean([str(DOLLY)], out)
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
