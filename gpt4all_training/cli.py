@@ -1,6 +1,7 @@
 """The `gpt4all-training` command: one subcommand per stage. Argument parsing only; the work is in the modules.
 
-A `UserError` anywhere below becomes one line on stderr and exit code 2, with no traceback.
+A `UserError` anywhere below becomes one line on stderr and exit code 2, a `TrainingError` one line and exit
+code 1; neither prints a traceback.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import UserError
+from .errors import TrainingError, UserError
 
 # subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 2
+    except TrainingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

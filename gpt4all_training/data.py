@@ -254,6 +254,13 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
+def fetch_batch(dataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows `indices` of a tokenised dataset, collated."""
+    columns = dataset.select_columns(["input_ids", "labels"])[indices]
+    rows = [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
+    return collate(rows, pad_id)
+
+
 # ---------------------------------------------------------------- `data.py --show N`
 
 def show_example(row: dict[str, Any], tokenizer) -> str:

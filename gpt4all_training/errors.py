@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """A problem with the user's input (config, paths, data), not a bug. The message says what to do."""
+
+
+class TrainingError(Exception):
+    """The run cannot go on (a non-finite loss, a failed save): one line naming the step, exit code 1."""

@@ -78,6 +78,8 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
             del model.config.quantization_config
         model.hf_quantizer = None
         model.is_quantized = False
+        # Recorded as the base of any adapter trained on it, so the adapter folder alone finds its base again.
+        model.name_or_path = str(Path(source) / extra["gguf_file"])
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

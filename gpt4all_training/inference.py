@@ -1,0 +1,395 @@
+"""Per-example loss, trained-token count and embedding for every example of the training data, on N processes.
+
+`torchrun --nproc_per_node N inference.py --config configs/inference/X.yaml` (or plain `python inference.py ...`).
+The train/validation split is rebuilt exactly as training built it (same dataset revision, seed, val_fraction,
+max_length and prompt template), so `split` in the output means what it meant during training.
+
+Per example:
+- `loss`: the mean next-token NLL over the trained (response) positions only. gpt4all divided by every position,
+  which made long prompts look easy.
+- `n_tokens`: how many positions that mean is over.
+- `embedding`: the final hidden state at the last real token (`pooling: last`) or its mask-aware mean.
+
+Work is split so the result does not depend on the number of processes: the examples are sorted by length once,
+rank r takes every W-th of that order, and nothing is dropped or repeated to even the shards out. Each rank writes
+a Parquet shard; the main process merges them into `output_dir/inference.parquet`, ordered by (split, index), with
+the original record fields. Padding is on the right behind an attention mask, so in fp32 an example's numbers
+agree across batchings (and so across world sizes) up to float rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import DTYPES, doc, load_config
+from .data import IGNORE, collate, effective_num_proc, finish_split, load_records, resolve_template, split_records, \
+    tokenize_dataset
+from .errors import UserError
+
+SPLITS = ("train", "val")
+POOLINGS = ("last", "mean")
+RESULT_FILE = "inference.parquet"
+SUMMARY_FILE = "inference.json"
+# Columns data.tokenize_batch adds; they are bookkeeping for training, not fields of the record.
+TOKEN_COLUMNS = ("input_ids", "labels", "n_trained", "length", "truncated_prompt", "truncated_response",
+                 "drop_reason")
+RESULT_COLUMNS = ("split", "loss", "n_tokens", "embedding")
+
+
+@dataclass
+class InferenceConfig:
+    # --- model ---
+    model_name: Optional[str] = doc("The trained model: a final/ or step_N/model folder (full model or LoRA "
+                                    "adapter), a Hub id, or a .gguf file. Required.")
+    tokenizer_name: Optional[str] = doc("Tokenizer to load; defaults to model_name.")
+    gguf_file: Optional[str] = doc("GGUF file name inside the model_name folder, when the weights are GGUF.")
+    model_revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the model.")
+    trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
+    dtype: str = doc("Weights and compute precision: float32, bfloat16 or float16.", "float32")
+    # --- data: these must equal the training config's, or the split and the tokens differ ---
+    dataset_path: Optional[str] = doc("The training dataset_path: *_clean.jsonl file, folder or Hub id. Required.")
+    revision: Optional[str] = doc("The training data's Hub revision; gpt4all's inference forgot it.")
+    seed: int = doc("The training seed: it decides the train/validation split.", 42)
+    val_fraction: float = doc("The training val_fraction.", 0.05)
+    max_length: int = doc("The training max_length (same truncation, same trained tokens).", 1024)
+    prompt_template: str = doc("The training prompt_template: 'plain', 'chat' or 'auto'.", "auto")
+    num_proc: int = doc("Processes for tokenisation; capped at the machine's cores.", 4)
+    streaming: bool = doc("gpt4all compatibility: when true, tokenise in this process (num_proc=1).", False)
+    # --- inference ---
+    batch_size: int = doc("Examples per forward pass, per process.", 8)
+    pooling: str = doc("Embedding: 'last' (hidden state of the last real token) or 'mean' (over real tokens).",
+                       "last")
+    output_dir: str = doc("Where inference.parquet and inference.json go.", "inference/run")
+
+
+def validate_inference(config: InferenceConfig) -> InferenceConfig:
+    c = config
+    for key in ("model_name", "dataset_path"):
+        if not getattr(c, key):
+            raise UserError(f"{key}: missing; set it in the config or on the command line as {key}=...")
+    checks = [
+        ("batch_size", c.batch_size >= 1, "must be at least 1"),
+        ("max_length", c.max_length >= 2, "must be at least 2"),
+        ("val_fraction", 0 <= c.val_fraction < 1, "must be in [0, 1)"),
+        ("num_proc", c.num_proc >= 1, "must be at least 1"),
+        ("dtype", c.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
+        ("pooling", c.pooling in POOLINGS, f"must be one of {', '.join(POOLINGS)}"),
+        ("prompt_template", c.prompt_template in ("auto", "plain", "chat"), "must be auto, plain or chat"),
+    ]
+    for key, ok, message in checks:
+        if not ok:
+            raise UserError(f"{key}: {message}, got {getattr(c, key)!r}")
+    return c
+
+
+# ---------------------------------------------------------------- per-example maths (pure)
+
+def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean NLL over each row's trained positions, number of those positions), in fp32.
+
+    Position t predicts label t+1 (the causal shift). A row with no trained position gets NaN, not 0.
+    Rows are done one at a time so only one row's logits are ever copied to fp32.
+    """
+    targets = labels[:, 1:]
+    n_tokens = (targets != IGNORE).sum(dim=1)
+    sums = torch.stack([
+        F.cross_entropy(logits[i, :-1].float(), targets[i], ignore_index=IGNORE, reduction="sum")
+        for i in range(logits.shape[0])
+    ])
+    return sums / n_tokens.to(sums.dtype), n_tokens
+
+
+def pool_hidden(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """One fp32 vector per row from right-padded hidden states: the last real token's, or the mean of real tokens."""
+    mask = attention_mask.to(hidden.device)
+    if pooling == "last":
+        last = mask.sum(dim=1) - 1
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+    weights = mask.unsqueeze(-1).float()
+    return (hidden.float() * weights).sum(dim=1) / weights.sum(dim=1)
+
+
+def length_sorted_order(lengths: np.ndarray, split_codes: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Positions sorted longest first (a too-large batch fails at once), ties by (split, index): one fixed order."""
+    return np.lexsort((indices, split_codes, -np.asarray(lengths)))
+
+
+def rank_share(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Every world_size-th position from `rank`: disjoint, covering, and balanced in length across ranks."""
+    return order[rank::world_size]
+
+
+# ---------------------------------------------------------------- processes
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+
+def init_runtime() -> Runtime:
+    """The process group from torchrun's environment: nccl on the local GPU, gloo on CPU; none for one process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return Runtime(rank, world_size, device)
+
+
+@contextlib.contextmanager
+def main_process_first(runtime: Runtime) -> Iterator[None]:
+    """The main process fills the datasets cache alone; the others then read it instead of racing to write it."""
+    if not runtime.is_main:
+        runtime.barrier()
+    yield
+    if runtime.is_main:
+        runtime.barrier()
+
+
+# ---------------------------------------------------------------- data
+
+@dataclass
+class Examples:
+    """Both tokenised splits, concatenated (train first), with per-position split codes."""
+    dataset: object  # datasets.Dataset
+    split_codes: np.ndarray
+    indices: np.ndarray
+    lengths: np.ndarray
+    record_columns: list[str]
+
+    def rows(self, positions: np.ndarray) -> list[dict]:
+        columns = self.dataset.select_columns(["input_ids", "labels"])[positions.tolist()]
+        return [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
+
+
+def load_examples(config: InferenceConfig, tokenizer) -> Examples:
+    """The training split, rebuilt and tokenised exactly as data.load_data does for training."""
+    import datasets
+
+    records = load_records(config.dataset_path, config.revision)
+    if len(records) == 0:
+        raise UserError(f"dataset_path {config.dataset_path}: no records")
+    template = resolve_template(config.prompt_template, tokenizer)
+    num_proc = effective_num_proc(config, len(records))
+    kept = []
+    for name, raw in zip(SPLITS, split_records(records, config.val_fraction, config.seed)):
+        split, stats = finish_split(tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc))
+        dropped = ", ".join(f"{k} {v}" for k, v in stats.dropped.items()) or "none"
+        print(f"{name}: {len(split)} examples to score (dropped: {dropped})", flush=True)
+        kept.append(split)
+    combined = datasets.concatenate_datasets(kept)
+    split_codes = np.repeat(np.arange(len(SPLITS), dtype=np.int64), [len(s) for s in kept])
+    record_columns = [c for c in combined.column_names if c not in TOKEN_COLUMNS and c not in RESULT_COLUMNS]
+    return Examples(combined, split_codes, np.asarray(combined["index"], dtype=np.int64),
+                    np.asarray(combined["length"], dtype=np.int64), record_columns)
+
+
+# ---------------------------------------------------------------- scoring
+
+@torch.inference_mode()
+def score_batch(model, batch: dict[str, torch.Tensor], pooling: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(loss, n_tokens, embedding) for one right-padded batch, as NumPy arrays."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                use_cache=False)
+    loss, n_tokens = example_losses(out.logits, batch["labels"])
+    embedding = pool_hidden(out.hidden_states[-1], batch["attention_mask"], pooling)
+    return loss.cpu().numpy(), n_tokens.cpu().numpy(), embedding.cpu().numpy()
+
+
+def score_positions(model, examples: Examples, positions: np.ndarray, batch_size: int, pad_id: int, pooling: str,
+                    device: torch.device, progress) -> dict[str, np.ndarray]:
+    losses, counts, embeddings = [], [], []
+    for start in range(0, len(positions), batch_size):
+        chunk = positions[start:start + batch_size]
+        batch = {k: v.to(device) for k, v in collate(examples.rows(chunk), pad_id).items()}
+        loss, n_tokens, embedding = score_batch(model, batch, pooling)
+        losses.append(loss)
+        counts.append(n_tokens)
+        embeddings.append(embedding)
+        progress.update(len(chunk))
+    hidden = embeddings[0].shape[1] if embeddings else 0
+    return {
+        "position": positions,
+        "loss": np.concatenate(losses) if losses else np.zeros(0, np.float32),
+        "n_tokens": np.concatenate(counts) if counts else np.zeros(0, np.int64),
+        "embedding": np.concatenate(embeddings) if embeddings else np.zeros((0, hidden), np.float32),
+    }
+
+
+# ---------------------------------------------------------------- output
+
+def embedding_array(embeddings: np.ndarray):
+    """A float32 (n, d) array as an Arrow fixed-size-list column, without going through Python lists."""
+    import pyarrow as pa
+
+    embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+    return pa.FixedSizeListArray.from_arrays(pa.array(embeddings.reshape(-1)), embeddings.shape[1])
+
+
+def shard_path(output_dir: Path, rank: int, world_size: int) -> Path:
+    return output_dir / "shards" / f"rank-{rank:05d}-of-{world_size:05d}.parquet"
+
+
+def write_shard(results: dict[str, np.ndarray], examples: Examples, path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    positions = results["position"]
+    table = pa.table({
+        "position": pa.array(positions, pa.int64()),
+        "split": pa.array([SPLITS[c] for c in examples.split_codes[positions]], pa.string()),
+        "index": pa.array(examples.indices[positions], pa.int64()),
+        "loss": pa.array(results["loss"].astype(np.float64)),
+        "n_tokens": pa.array(results["n_tokens"].astype(np.int64)),
+        "embedding": embedding_array(results["embedding"]),
+    })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def merge_shards(examples: Examples, output_dir: Path, world_size: int) -> Path:
+    """One table, every kept example exactly once, ordered by (split, index), with the record's own fields."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = pa.concat_tables([pq.read_table(shard_path(output_dir, r, world_size)) for r in range(world_size)])
+    positions = shards.column("position").to_numpy()
+    if len(positions) != len(examples.split_codes) or len(np.unique(positions)) != len(positions):
+        raise RuntimeError(f"shards hold {len(positions)} rows ({len(np.unique(positions))} distinct) for "
+                           f"{len(examples.split_codes)} examples")
+    # Train precedes val in `examples` and each split is ordered by index after this sort: (split, index) order.
+    order = np.lexsort((examples.indices[positions], examples.split_codes[positions]))
+    shards = shards.take(pa.array(order))
+    records = examples.dataset.select_columns(examples.record_columns).with_format("arrow")[
+        shards.column("position").to_pylist()]
+    table = records
+    for name in ("index", "split", "loss", "n_tokens", "embedding"):
+        if name in table.column_names:
+            table = table.drop_columns([name])
+        table = table.append_column(name, shards.column(name))
+    path = output_dir / RESULT_FILE
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    shutil.rmtree(output_dir / "shards")
+    return path
+
+
+def split_summary(table) -> dict[str, dict[str, float]]:
+    """Per split: examples, mean of per-example losses, and the token-weighted loss (training's val_loss)."""
+    split = np.asarray(table.column("split").to_pylist())
+    loss = table.column("loss").to_numpy()
+    n_tokens = table.column("n_tokens").to_numpy()
+    out = {}
+    for name in SPLITS:
+        m = split == name
+        if m.any():
+            out[name] = {"examples": int(m.sum()), "mean_example_loss": float(loss[m].mean()),
+                         "token_weighted_loss": float((loss[m] * n_tokens[m]).sum() / n_tokens[m].sum())}
+    return out
+
+
+# ---------------------------------------------------------------- the run
+
+def progress_bar(total: int, runtime: Runtime):
+    from tqdm.auto import tqdm
+
+    desc = "inference" if runtime.world_size == 1 else f"inference (rank 0 of {runtime.world_size})"
+    return tqdm(total=total, unit="ex", desc=desc, disable=not runtime.is_main, mininterval=1.0)
+
+
+def run_inference(config: InferenceConfig) -> Optional[Path]:
+    """Score every example on this process's share; the main process returns the merged Parquet's path."""
+    from .modeling import load_model, load_tokenizer
+
+    runtime = init_runtime()
+    try:
+        torch.manual_seed(config.seed)
+        output_dir = Path(config.output_dir)
+        tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision,
+                                   config.gguf_file, config.trust_remote_code)
+        with main_process_first(runtime):
+            if runtime.is_main:
+                shutil.rmtree(output_dir / "shards", ignore_errors=True)  # left by a crashed run
+                output_dir.mkdir(parents=True, exist_ok=True)
+            examples = load_examples(config, tokenizer)
+        model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                           dtype=getattr(torch, config.dtype))
+        model.to(runtime.device).eval()
+
+        order = length_sorted_order(examples.lengths, examples.split_codes, examples.indices)
+        mine = rank_share(order, runtime.rank, runtime.world_size)
+        runtime.barrier()
+        started = time.perf_counter()
+        with progress_bar(len(mine), runtime) as progress:
+            results = score_positions(model, examples, mine, config.batch_size, tokenizer.pad_token_id,
+                                      config.pooling, runtime.device, progress)
+        runtime.barrier()
+        elapsed = time.perf_counter() - started
+        write_shard(results, examples, shard_path(output_dir, runtime.rank, runtime.world_size))
+        runtime.barrier()
+        if not runtime.is_main:
+            return None
+        path = merge_shards(examples, output_dir, runtime.world_size)
+        write_summary(config, runtime, path, elapsed)
+        return path
+    finally:
+        if runtime.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def write_summary(config: InferenceConfig, runtime: Runtime, path: Path, elapsed: float) -> None:
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["split", "loss", "n_tokens"])
+    rate = table.num_rows / elapsed if elapsed > 0 else math.inf
+    summary = {"config": dataclasses.asdict(config), "world_size": runtime.world_size,
+               "examples": table.num_rows, "seconds": round(elapsed, 3), "examples_per_second": round(rate, 2),
+               "splits": split_summary(table)}
+    (path.parent / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    for name, stats in summary["splits"].items():
+        print(f"{name}: {stats['examples']} examples, mean example loss {stats['mean_example_loss']:.4f}, "
+              f"token-weighted loss {stats['token_weighted_loss']:.4f}")
+    print(f"{table.num_rows} examples in {elapsed:.2f} s on {runtime.world_size} process(es): "
+          f"{rate:.1f} examples/s")
+    print(f"wrote {path}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="inference config YAML (configs/inference/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides, cls=InferenceConfig, check=validate_inference)
+    run_inference(config)
+    return 0

@@ -1,0 +1,75 @@
+"""Metrics to metrics.jsonl, TensorBoard and wandb behind one small interface; main process only."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+SECRET_KEYS = ("token", "password", "secret", "api_key")
+
+
+def public_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as it may be logged: anything that looks like a credential is left out."""
+    return {k: v for k, v in config.items() if not any(s in k.lower() for s in SECRET_KEYS)}
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a crash: everything before it is intact
+    return rows
+
+
+class Tracker:
+    def __init__(self, output_dir: str | Path, report_to: list[str], config: dict[str, Any], enabled: bool,
+                 resume_step: int = 0, project: str | None = None, entity: str | None = None):
+        self.enabled = enabled
+        self.metrics_path = Path(output_dir) / "metrics.jsonl"
+        self.jsonl = enabled and "jsonl" in report_to
+        self.tensorboard = self.wandb_run = None
+        if not enabled:
+            return
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        if self.jsonl:
+            # On resume, rows logged after the checkpoint are replayed; drop them so steps stay unique and monotone.
+            kept = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= resume_step]
+            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            os.replace(tmp, self.metrics_path)
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step + 1)
+        if "wandb" in report_to:
+            import wandb
+
+            self.wandb_run = wandb.init(project=project, entity=entity, config=public_config(config),
+                                        dir=str(output_dir), resume="allow")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **metrics}
+        if self.jsonl:
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -1,0 +1,227 @@
+"""The training loop, readable top to bottom: `python train.py --config c.yaml [key=value ...]`.
+
+The same script runs under `python`, `accelerate launch` and `torchrun`. The loss of an optimiser step is
+token-weighted over everything the step trains on: the sum of token losses of all its micro-batches on all ranks,
+divided by their total count of trained tokens. So batch 4 x accumulation 1, batch 1 x accumulation 4 and 2 ranks x
+batch 2 all take the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import resource
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .checkpoint import latest_checkpoint, load_checkpoint, rotate, save_checkpoint
+from .config import TrainConfig, load_config
+from .data import fetch_batch, load_data
+from .distributed import build_accelerator
+from .errors import TrainingError, UserError
+from .evaluate import evaluate_loss
+from .loss import token_loss_sum, trained_token_count
+from .modeling import apply_lora, count_parameters, load_model, load_tokenizer, param_groups
+from .report import write_report
+from .sampler import StepSampler
+from .schedule import cosine_with_min_lr
+from .tracking import Tracker
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def total_optimizer_steps(steps_per_epoch: int, num_epochs: int, max_steps: int | None) -> int:
+    """Optimiser steps of the whole run, across epochs: the one number the schedule, plan and loop share."""
+    total = steps_per_epoch * num_epochs
+    return min(total, max_steps) if max_steps else total
+
+
+def lr_factor(step: int, config: TrainConfig, total_steps: int) -> float:
+    return cosine_with_min_lr(step, config.lr, config.min_lr, config.warmup_steps, total_steps) / config.lr
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train_step(model, batches: list[dict[str, torch.Tensor]], accelerator, optimizer, scheduler,
+               max_grad_norm: float | None, step: int) -> dict[str, float]:
+    """One optimiser step over this rank's micro-batches. Returns the global, token-weighted step loss and counts."""
+    device = accelerator.device
+    local = torch.tensor([sum(trained_token_count(b) for b in batches),
+                          sum(int(b["attention_mask"].sum()) for b in batches),
+                          sum(b["input_ids"].numel() for b in batches)], dtype=torch.float64, device=device)
+    n_trained, n_real, n_padded = accelerator.reduce(local, reduction="sum").tolist()
+    # DDP averages gradients over ranks; scaling by the world size makes the result sum/global-count exactly.
+    scale = accelerator.num_processes / max(n_trained, 1.0)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, batch in enumerate(batches):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            with accelerator.autocast():
+                micro_loss = token_loss_sum(model, batch)
+            accelerator.backward(micro_loss * scale)
+        loss_sum += micro_loss.detach().double()
+    loss = (accelerator.reduce(loss_sum, reduction="sum") / max(n_trained, 1.0)).item()
+    if not math.isfinite(loss):
+        raise TrainingError(f"step {step + 1}: the loss is {loss}; lower lr, check the data, or use float32")
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "n_trained": n_trained, "n_real": n_real, "n_padded": n_padded}
+
+
+def save_final(accelerator, model, tokenizer, folder: Path, merge_lora: bool) -> None:
+    """final/: the model (or adapter), tokenizer and generation config in safetensors; optionally final/merged/."""
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    if not accelerator.is_main_process:
+        return
+    is_peft = hasattr(unwrapped, "get_base_model")
+    base = unwrapped.get_base_model() if is_peft else unwrapped
+    generation = base.generation_config
+    generation.eos_token_id = tokenizer.eos_token_id
+    generation.pad_token_id = tokenizer.pad_token_id
+    targets = [(unwrapped, folder, state_dict)]
+    if merge_lora and is_peft:
+        # Master weights are fp32 whatever the compute dtype, so this merge happens in fp32.
+        targets.append((unwrapped.merge_and_unload(), folder / "merged", None))
+    for model_to_save, path, weights in targets:
+        model_to_save.save_pretrained(path, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+        generation.save_pretrained(path)
+
+
+def resolve_checkpoint(config: TrainConfig) -> Path | None:
+    if not config.checkpoint:
+        return None
+    if config.checkpoint == "auto":
+        return latest_checkpoint(config.output_dir)
+    path = Path(config.checkpoint)
+    if not path.is_dir():
+        raise UserError(f"checkpoint: {path} is not a folder; give a step_N folder or 'auto'")
+    return path
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    accelerator = build_accelerator(config)
+    log = accelerator.print
+    torch.manual_seed(config.seed)
+    output_dir = Path(config.output_dir)
+
+    # --- data ---
+    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
+                               config.trust_remote_code)
+    with accelerator.main_process_first():
+        (train_ds, val_ds), (train_stats, val_stats) = load_data(config, tokenizer)
+    log(train_stats.describe("train"))
+    log(val_stats.describe("validation"))
+
+    # --- model and optimiser ---
+    model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                       torch.float32, config.gradient_checkpointing)
+    if config.lora:
+        model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
+                           config.gradient_checkpointing)
+    trainable, total = count_parameters(model)
+    log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    sampler = StepSampler(len(train_ds), config.batch_size, accelerator.num_processes, accelerator.process_index,
+                          config.gradient_accumulation_steps, config.seed)
+    total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
+    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.999),
+                                  eps=1e-8)
+    # Not passed to prepare(): accelerate's wrapper would step it once per process.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config,
+                                                                     total_steps=total_steps))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    log(f"{total_steps} optimiser steps: {sampler.steps_per_epoch} per epoch x {config.num_epochs} epochs "
+        f"(global batch {sampler.examples_per_step} examples)")
+
+    # --- resume ---
+    state: dict[str, Any] = {"step": 0, "trained_tokens": 0}
+    checkpoint = resolve_checkpoint(config)
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, accelerator, model, optimizer, scheduler)
+        log(f"resumed from {checkpoint} at step {state['step']}")
+    config_yaml = yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+    # --- the loop ---
+    tracker = Tracker(output_dir, config.report_to, config.to_dict(), accelerator.is_main_process,
+                      resume_step=state["step"], project=config.wandb_project_name, entity=config.wandb_entity)
+    pad_id = tokenizer.pad_token_id
+    progress = _progress(total_steps, state["step"], accelerator.is_main_process)
+    val: dict[str, float] = {}
+    window = {"time": time.perf_counter(), "real": 0.0, "trained": 0.0, "padded": 0.0}
+    model.train()
+    while state["step"] < total_steps:
+        step = state["step"]
+        batches = [fetch_batch(train_ds, indices, pad_id) for indices in sampler.step_indices(step)]
+        result = train_step(model, batches, accelerator, optimizer, scheduler, config.max_grad_norm, step)
+        state = {"step": step + 1, "epoch": (step + 1) / sampler.steps_per_epoch,
+                 "trained_tokens": state["trained_tokens"] + int(result["n_trained"])}
+        for key in ("real", "trained", "padded"):
+            window[key] += result[f"n_{key}"]
+        progress.update(1)
+
+        if state["step"] % config.log_every == 0 or state["step"] == total_steps:
+            seconds = time.perf_counter() - window["time"]
+            row = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
+                   "tokens_per_s": window["real"] / seconds, "trained_tokens_per_s": window["trained"] / seconds,
+                   "padding_fraction": 1 - window["real"] / max(window["padded"], 1.0),
+                   "trained_tokens": state["trained_tokens"], "epoch": state["epoch"]}
+            tracker.log(row, state["step"])
+            progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}",
+                                 tok_s=f"{row['tokens_per_s']:.0f}")
+            window = {"time": time.perf_counter(), "real": 0.0, "trained": 0.0, "padded": 0.0}
+
+        at_end = state["step"] == total_steps
+        if len(val_ds) and ((config.eval_every and state["step"] % config.eval_every == 0) or at_end):
+            val = evaluate_loss(model, val_ds, accelerator, config.batch_size, pad_id, config.eval_steps)
+            tracker.log(val, state["step"])
+            log(f"step {state['step']}: val_loss {val['val_loss']:.4f} val_ppl {val['val_ppl']:.2f}")
+
+        if config.save_every and state["step"] % config.save_every == 0 and not at_end:
+            save_checkpoint(output_dir / f"step_{state['step']}", accelerator, model, optimizer, scheduler, state,
+                            config_yaml)
+            if accelerator.is_main_process:
+                rotate(output_dir, config.keep_last)
+    progress.close()
+
+    # --- the end ---
+    save_final(accelerator, model, tokenizer, output_dir / "final", config.merge_lora)
+    summary = {"steps": state["step"], "trained_tokens": state["trained_tokens"], **val,
+               "peak_rss_mb": round(peak_rss_mb(), 1), "train_examples": len(train_ds),
+               "val_examples": len(val_ds)}
+    if accelerator.is_main_process:
+        tracker.close()
+        report = write_report(output_dir, summary)
+        log(f"final model: {output_dir / 'final'}; loss curves: {report}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="training", dynamic_ncols=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="training config YAML (see configs/train/)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lr=1e-4 max_steps=5")
+
+
+def run(args: argparse.Namespace) -> int:
+    train(load_config(args.config, args.overrides))
+    return 0
