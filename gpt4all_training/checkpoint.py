@@ -1,29 +1,48 @@
-"""What a checkpoint holds, and writing it so a crash never leaves a half checkpoint that gets loaded.
+"""What a checkpoint holds, writing it so a crash never leaves a half checkpoint that gets loaded, and resuming.
 
-`output_dir/step_N/` holds `model/` (the full model or the adapter, safetensors), `optimizer.pt`, `scheduler.pt`,
-`rng/rank{r}.pt`, `state.json` (step, epoch, position, trained tokens), `config.yaml`, and last the `COMPLETE`
-marker, which lists every file's SHA-256. It is written as `step_N.tmp/`, fsynced, then renamed; a folder without a
-valid marker is never loaded.
+`output_dir/step_N/` holds:
+- `model/`: the full model or the adapter (safetensors), `optimizer.pt`, `scheduler.pt`, and `scaler.pt` when
+  fp16 uses a gradient scaler; under DeepSpeed, `deepspeed/` (the engine's state, one optimiser partition per rank)
+  takes the place of `optimizer.pt`;
+- `rng/rank{r}.pt`: every RNG of each rank (Python, NumPy, torch, CUDA), loadable with `weights_only=True`;
+- `state.json`: the global optimiser step and the trained-token count, plus the sampler's state for readers;
+- `config.yaml`: the config that produced it;
+- last, the `COMPLETE` marker, which lists every file's SHA-256.
+
+The sampler's state is the step alone: the order of an epoch is a function of (seed, epoch), and
+`epoch, position = divmod(step, steps_per_epoch)`. state.json also records epoch, position, seed and the global
+batch, so a resume that would map the step to different examples (another seed, batch or dataset) is refused.
+
+A checkpoint is written as `step_N.tmp/`, fsynced, then renamed to `step_N/`. A folder without a valid marker, and
+any `.tmp` folder, is never loaded. Old checkpoints are rotated away only after the new one is complete.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
 import re
 import shutil
+import signal
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
-from .errors import UserError
+from .distributed import deepspeed_engine, load_engine_state, save_engine_state
+from .errors import TrainingError, UserError
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
+# Saved in state.json; if any differs at resume, global step s would be other examples than it was.
+SAMPLER_KEYS = ("seed", "n_examples", "examples_per_step", "group_by_length")
 
 
 # ---------------------------------------------------------------- RNG
@@ -51,6 +70,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---------------------------------------------------------------- the sampler's state
+
+def training_state(step: int, trained_tokens: int, sampler) -> dict[str, Any]:
+    """state.json: the step (the only thing resume needs) and what derives from it, for readers and checks."""
+    epoch, position = divmod(step, sampler.steps_per_epoch)
+    return {"step": step, "epoch": epoch, "position": position, "steps_per_epoch": sampler.steps_per_epoch,
+            "seed": sampler.seed, "n_examples": sampler.n_examples, "examples_per_step": sampler.examples_per_step,
+            "group_by_length": getattr(sampler, "lengths", None) is not None, "world_size": sampler.world_size,
+            "trained_tokens": trained_tokens}
+
+
+def check_resumable(state: dict[str, Any], sampler, folder: Path) -> None:
+    """Refuse a resume whose step would point at other examples than the saved run's step did."""
+    current = training_state(0, 0, sampler)
+    for key in SAMPLER_KEYS:
+        if key in state and state[key] != current[key]:
+            raise UserError(f"checkpoint {folder}: saved with {key}={state[key]} but this run has {current[key]}; "
+                            f"resume with the same seed, data and batch_size x processes x "
+                            f"gradient_accumulation_steps, or start a new output_dir")
+
+
 # ---------------------------------------------------------------- files
 
 def sha256(path: Path) -> str:
@@ -67,11 +107,23 @@ def fsync_tree(root: Path) -> None:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
     for folder in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(folder)
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def torch_save(obj: Any, path: Path) -> None:
+    """torch.save through a buffer: a failed write then raises OSError with its errno (torch's own is cryptic)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
 
 
 def write_marker(folder: Path) -> None:
@@ -86,7 +138,7 @@ def verify(folder: Path) -> str | None:
         return "no completion marker (the save was interrupted)"
     try:
         files = json.loads(marker.read_text(encoding="utf-8"))["files"]
-    except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
         return "unreadable completion marker"
     for name, digest in files.items():
         path = folder / name
@@ -97,27 +149,41 @@ def verify(folder: Path) -> str | None:
     return None
 
 
-def checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) for every step_N folder, oldest first (complete or not)."""
+def checkpoint_dirs(output_dir: str | Path, pattern: re.Pattern = STEP_DIR) -> list[tuple[int, Path]]:
+    """(step, folder) for every step_N folder (or, with TMP_DIR, every step_N.tmp), oldest first."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := pattern.match(p.name))]
     return sorted(found)
 
 
-def latest_checkpoint(output_dir: str | Path, log=print) -> Path | None:
-    """The newest checkpoint that verifies; incomplete or corrupted ones are reported and skipped."""
+def latest_checkpoint(output_dir: str | Path, log: Callable[[str], Any] = print) -> Path | None:
+    """The newest checkpoint that verifies. Interrupted saves and corrupted checkpoints are reported and skipped."""
+    newest = None
     for _, folder in reversed(checkpoint_dirs(output_dir)):
         problem = verify(folder)
         if problem is None:
-            return folder
+            newest = folder
+            break
         log(f"skipping checkpoint {folder}: {problem}")
-    return None
+    newest_step = int(STEP_DIR.match(newest.name).group(1)) if newest else -1
+    for step, folder in checkpoint_dirs(output_dir, TMP_DIR):
+        if step > newest_step:
+            log(f"skipping {folder}: a save that was interrupted; it is never loaded")
+    return newest
+
+
+def previous_checkpoint_note(output_dir: Path) -> str:
+    complete = [p for _, p in checkpoint_dirs(output_dir) if (p / MARKER).is_file()]
+    return f"the previous checkpoint {complete[-1]} is intact" if complete else "there is no earlier checkpoint"
 
 
 def rotate(output_dir: str | Path, keep_last: int | None, keep_every: int | None = None) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (and those at multiples of `keep_every`)."""
+    """After a save completed: delete all but the newest `keep_last` complete checkpoints, sparing multiples of
+    `keep_every` (permanent), and the leftovers of interrupted saves. Main process only, never during a save."""
+    for _, folder in checkpoint_dirs(output_dir, TMP_DIR):
+        shutil.rmtree(folder, ignore_errors=True)
     if keep_last is None:
         return
     complete = [(s, p) for s, p in checkpoint_dirs(output_dir) if (p / MARKER).is_file()]
@@ -131,30 +197,56 @@ def rotate(output_dir: str | Path, keep_last: int | None, keep_every: int | None
 
 def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, state: dict[str, Any],
                     config_yaml: str) -> Path:
-    """Write the checkpoint atomically. A collective: every rank calls it."""
+    """Write the checkpoint atomically. A collective: every rank calls it.
+
+    A failed write (a full disk, a quota) removes the partial `.tmp` folder and raises a one-line TrainingError;
+    the previous checkpoints are untouched, since nothing is deleted before a save completes.
+    """
     tmp = folder.with_name(folder.name + ".tmp")
-    if accelerator.is_main_process:
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards: every rank must call it
+        torch_save(rng_state(), tmp / "rng" / f"rank{accelerator.process_index}.pt")
+        engine = deepspeed_engine(model)
+        if engine is not None:
+            save_engine_state(engine, tmp / "deepspeed")
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(tmp / "model", state_dict=state_dict,
+                                                            safe_serialization=True)
+            if engine is None:
+                torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+            if getattr(accelerator, "scaler", None) is not None:
+                torch_save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
+            (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+            (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_marker(tmp)
+            fsync_tree(tmp)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+            fsync_dir(folder.parent)
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise TrainingError(f"step {state['step']}: could not write checkpoint {folder} ({reason}); "
+                            f"{previous_checkpoint_note(folder.parent)}. Free disk space, then rerun with "
+                            f"resume=auto") from exc
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards: every rank must call it
-    torch.save(rng_state(), tmp / "rng" / f"rank{accelerator.process_index}.pt")
+    return folder
+
+
+def save_step_checkpoint(output_dir: Path, state: dict[str, Any], sampler, accelerator, model, optimizer, scheduler,
+                         config_yaml: str, keep_last: int | None, keep_every: int | None) -> Path:
+    """The loop's checkpoint: step_N/ with the sampler's state, then rotation of older ones."""
+    folder = save_checkpoint(output_dir / f"step_{state['step']}", accelerator, model, optimizer, scheduler,
+                             training_state(state["step"], state["trained_tokens"], sampler), config_yaml)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(tmp / "model", state_dict=state_dict, safe_serialization=True)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
-        (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_marker(tmp)
-        fsync_tree(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
-        fd = os.open(folder.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    accelerator.wait_for_everyone()
+        rotate(output_dir, keep_last, keep_every)
     return folder
 
 
@@ -183,14 +275,111 @@ def load_model_weights(model, model_dir: Path) -> None:
 
 
 def load_checkpoint(folder: Path, accelerator, model, optimizer, scheduler) -> dict[str, Any]:
-    """Restore model, optimiser, scheduler and this rank's RNG from a verified checkpoint; return its state."""
+    """Restore model, optimiser, scheduler, scaler and this rank's RNG from a verified checkpoint; return its state."""
     problem = verify(folder)
     if problem is not None:
         raise UserError(f"checkpoint {folder}: {problem}; pick another step_N folder")
-    load_model_weights(accelerator.unwrap_model(model), folder / "model")
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu"))
+    engine = deepspeed_engine(model)
+    if engine is not None:
+        if not (folder / "deepspeed").is_dir():
+            raise UserError(f"checkpoint {folder}: written without DeepSpeed, so it has no engine state to resume "
+                            f"a DeepSpeed run from; resume it with the launcher it was written with")
+        load_engine_state(engine, folder / "deepspeed")
+    else:
+        if not (folder / "optimizer.pt").is_file():
+            raise UserError(f"checkpoint {folder}: written under DeepSpeed; resume it with the same DeepSpeed launch")
+        load_model_weights(accelerator.unwrap_model(model), folder / "model")
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu"))
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    if (folder / "scaler.pt").is_file() and getattr(accelerator, "scaler", None) is not None:
+        accelerator.scaler.load_state_dict(torch.load(folder / "scaler.pt", weights_only=True))
     rng_file = folder / "rng" / f"rank{accelerator.process_index}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((folder / "state.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------- resuming
+
+def find_resume_checkpoint(checkpoint: str | None, resume: str | None, output_dir: str | Path,
+                           log: Callable[[str], Any] = print) -> Path | None:
+    """`checkpoint=PATH` names the folder; `resume=auto` (or `checkpoint=auto`) takes the newest valid one in
+    output_dir and starts fresh when there is none."""
+    if checkpoint and checkpoint != "auto":
+        path = Path(checkpoint)
+        if not path.is_dir():
+            raise UserError(f"checkpoint: {path} is not a folder; give a step_N folder, or use resume=auto")
+        return path
+    if checkpoint == "auto" or resume == "auto":
+        found = latest_checkpoint(output_dir, log)
+        if found is None:
+            log(f"resume=auto: no complete checkpoint in {output_dir}; starting fresh")
+        return found
+    existing = checkpoint_dirs(output_dir)
+    if existing:
+        log(f"note: {output_dir} already holds checkpoints (newest {existing[-1][1].name}) but this run starts "
+            f"fresh; pass resume=auto to continue it instead")
+    return None
+
+
+def resume_training(config, accelerator, model, optimizer, scheduler, sampler,
+                    log: Callable[[str], Any] = print) -> dict[str, Any]:
+    """The state to start the loop from: restored from a checkpoint when the config asks for one, else step 0."""
+    folder = find_resume_checkpoint(config.checkpoint, getattr(config, "resume", None), config.output_dir, log)
+    if folder is None:
+        return {"step": 0, "trained_tokens": 0}
+    state = load_checkpoint(folder, accelerator, model, optimizer, scheduler)
+    check_resumable(state, sampler, folder)
+    epoch, position = divmod(state["step"], sampler.steps_per_epoch)
+    log(f"resumed from {folder} at step {state['step']} (epoch {epoch + 1}, step {position} of "
+        f"{sampler.steps_per_epoch} in it; {state['trained_tokens']:,} tokens trained so far)")
+    return state
+
+
+# ---------------------------------------------------------------- stopping on a signal
+
+class GracefulStop:
+    """SIGTERM (a preempted instance) or SIGINT (Ctrl-C): finish the current step, write a checkpoint, then stop.
+
+    A second signal stops at once (KeyboardInterrupt). The run then exits with 128 + the signal's number (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process stopped by that signal, so a wrapper script does not
+    mistake it for a finished run; the checkpoint makes `resume=auto` continue exactly.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None:
+            self.close()
+            raise KeyboardInterrupt
+        self.received = signum
+        # os.write, not print: a signal handler may run in the middle of another print.
+        os.write(2, f"\n{signal.Signals(signum).name} received: finishing this step and writing a checkpoint "
+                    f"(send it again to stop at once)\n".encode())
+
+    def requested(self, accelerator) -> bool:
+        """Whether any rank got a signal; every rank must call it at the same step, since it is a collective."""
+        flag = self.received is not None
+        if accelerator.num_processes > 1:
+            votes = torch.tensor([float(flag)], device=accelerator.device)
+            flag = accelerator.reduce(votes, reduction="sum").item() > 0
+        return flag
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or signal.SIGTERM)
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.received or signal.SIGTERM).name
+
+    def close(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}

@@ -38,13 +38,16 @@ class Filters:
 
 @dataclass
 class FileReport:
+    """`read` counts records: one per line, except that an OpenAssistant tree gives one per prompter->assistant pair."""
+
+    lines: int = 0
     read: int = 0
     kept: int = 0
     dropped: Counter = field(default_factory=Counter)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"read": self.read, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
-                "dropped_total": sum(self.dropped.values())}
+        return {"lines": self.lines, "read": self.read, "kept": self.kept,
+                "dropped": dict(sorted(self.dropped.items())), "dropped_total": sum(self.dropped.values())}
 
 
 class Drop(Exception):
@@ -80,7 +83,7 @@ def _gpt4all_record(obj: dict, default_source: str) -> dict[str, str]:
 
 def _dolly_record(obj: dict) -> dict[str, str]:
     instruction = _text(obj.get("instruction"), "instruction")
-    context = _text(obj.get("context", ""), "context")
+    context = _text(obj.get("context") or "", "context")  # Dolly writes "" for no context; null means the same
     response = _text(obj.get("response"), "response")
     category = obj.get("category")
     # Context first, instruction last: truncation keeps the end of a prompt, and the question is what matters.
@@ -89,29 +92,33 @@ def _dolly_record(obj: dict) -> dict[str, str]:
 
 
 def _oasst_records(tree: dict) -> Iterator[dict[str, str] | Drop]:
-    """Every prompter->assistant pair; the thread above the pair becomes the prompt's context."""
+    """Every prompter->assistant pair, depth first; the thread above the pair becomes the prompt's context.
+
+    A pair under a deleted message (or itself deleted) is dropped as `deleted_message`: its thread is incomplete.
+    A malformed message is dropped once, with everything below it.
+    """
     root = tree.get("prompt")
     if not isinstance(root, dict):
         yield Drop("missing_prompt")
         return
-    stack: list[tuple[dict, list[tuple[str, str]]]] = [(root, [])]
+    stack: list[tuple[dict, list[tuple[str, str]], bool]] = [(root, [], False)]
     while stack:
-        message, thread = stack.pop()
-        role, text = message.get("role"), message.get("text")
-        if not isinstance(text, str) or role not in ("prompter", "assistant"):
+        message, thread, deleted = stack.pop()
+        role, text, replies = message.get("role"), message.get("text"), message.get("replies") or []
+        if not isinstance(text, str) or role not in ("prompter", "assistant") or not isinstance(replies, list):
             yield Drop("malformed_message")
             continue
-        if message.get("deleted"):
-            yield Drop("deleted_message")
-            continue
+        deleted = deleted or bool(message.get("deleted"))
         if role == "assistant" and thread and thread[-1][0] == "prompter":
-            context = "\n".join(f"{'User' if r == 'prompter' else 'Assistant'}: {t}" for r, t in thread[:-1])
-            prompt = f"{context}\n\n{thread[-1][1]}" if context else thread[-1][1]
-            yield {"source": "oasst", "prompt": prompt, "response": text}
-        replies = message.get("replies") or []
-        for reply in reversed(replies if isinstance(replies, list) else []):
+            if deleted:
+                yield Drop("deleted_message")
+            else:
+                context = "\n".join(f"{'User' if r == 'prompter' else 'Assistant'}: {t}" for r, t in thread[:-1])
+                prompt = f"{context}\n\n{thread[-1][1]}" if context else thread[-1][1]
+                yield {"source": "oasst", "prompt": prompt, "response": text}
+        for reply in reversed(replies):
             if isinstance(reply, dict):
-                stack.append((reply, [*thread, (role, text)]))
+                stack.append((reply, [*thread, (role, text)], deleted))
             else:
                 yield Drop("malformed_message")
 
@@ -157,9 +164,20 @@ def normalise_ws(text: str) -> str:
     return " ".join(text.split())
 
 
+def _encodable(text: str) -> bool:
+    # JSON may escape a lone surrogate ("\ud800"): valid JSON, but no UTF-8 file can hold it.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_record(record: dict[str, str], filters: Filters, seen: set[tuple[str, str]]) -> str | None:
     """The drop reason for a parsed record, or None to keep it."""
     prompt, response = record["prompt"], record["response"]
+    if not all(_encodable(record[key]) for key in ("source", "prompt", "response")):
+        return "invalid_unicode"
     if len(prompt.strip()) <= 1:
         return "short_prompt"
     if not response.strip():
@@ -185,6 +203,7 @@ def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple[str
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out, open(path, "rb") as src:
             for raw in src:
+                report.lines += 1
                 for item in parse_line(raw, default_source=path.stem):
                     report.read += 1
                     reason = item.reason if isinstance(item, Drop) else check_record(item, filters, seen)
@@ -212,7 +231,7 @@ def input_files(inputs: list[str]) -> list[Path]:
             if not found:
                 raise UserError(f"{path}: no .jsonl files in this folder")
             files.extend(found)
-        elif path.is_file():
+        elif path.exists():  # a file, or a pipe such as bash's <(zcat data.jsonl.gz)
             files.append(path)
         else:
             raise UserError(f"{path}: no such file or folder")
@@ -225,16 +244,19 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
     output_dir = Path(output_dir)
     seen: set[tuple[str, str]] = set()
     files = input_files(inputs)
-    report: dict[str, Any] = {"files": {}, "filters": vars(filters)}
+    outputs: dict[Path, Path] = {}
     for path in files:
         out_path = output_dir / f"{path.stem}_clean.jsonl"
-        if out_path.resolve() == path.resolve():
-            raise UserError(f"{path}: output would overwrite the input; choose another --output-dir")
+        if out_path in outputs:
+            raise UserError(f"{path}: would overwrite the output of {outputs[out_path]} ({out_path}); "
+                            f"clean files with the same name into separate --output-dir folders")
+        outputs[out_path] = path
+    report: dict[str, Any] = {"files": {}, "filters": vars(filters)}
+    for out_path, path in outputs.items():
         report["files"][str(path)] = clean_file(path, out_path, filters, seen).to_dict()
     totals = Counter()
     for entry in report["files"].values():
-        totals["read"] += entry["read"]
-        totals["kept"] += entry["kept"]
+        totals.update({key: entry[key] for key in ("lines", "read", "kept")})
         totals.update({f"dropped:{k}": v for k, v in entry["dropped"].items()})
     report["total"] = dict(totals)
     tmp = output_dir / "clean_report.json.tmp"
@@ -246,7 +268,8 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
 def print_report(report: dict[str, Any]) -> None:
     for name, entry in report["files"].items():
         reasons = ", ".join(f"{k} {v}" for k, v in entry["dropped"].items()) or "none"
-        print(f"{name}: read {entry['read']}, kept {entry['kept']}, dropped {entry['dropped_total']} ({reasons})")
+        print(f"{name}: lines {entry['lines']}, read {entry['read']}, kept {entry['kept']}, "
+              f"dropped {entry['dropped_total']} ({reasons})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import TrainingError, UserError
@@ -39,20 +40,32 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def report_error(exc: Exception) -> None:
+    """One line on stderr, on a line of its own: progress bars still drawn are closed first."""
+    if "tqdm" in sys.modules:
+        for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", [])):
+            bar.close()
+    print(f"error: {exc}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         code = importlib.import_module(args.module).run(args)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_error(exc)
         code = 2
     except TrainingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_error(exc)
         code = 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away; keep Python from complaining while it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
     sys.exit(code)
 
 

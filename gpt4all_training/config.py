@@ -40,6 +40,7 @@ class TrainConfig:
     trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
     dtype: str = doc("Compute precision: float32, or bfloat16/float16 autocast over fp32 master weights.", "float32")
     gradient_checkpointing: bool = doc("Recompute activations in the backward pass to save memory.", False)
+    compile: bool = doc("torch.compile the model: slower first steps (compilation), faster later ones.", False)
     # --- LoRA ---
     lora: bool = doc("Train a LoRA adapter instead of all weights.", False)
     lora_r: int = doc("LoRA rank.", 8)
@@ -55,6 +56,10 @@ class TrainConfig:
     max_length: int = doc("Longest tokenised example; longer ones are truncated (prompt end kept).", 1024)
     prompt_template: str = doc("'plain' (prompt + newline), 'chat' (the tokenizer's chat template) or 'auto'.", "auto")
     val_fraction: float = doc("Share of the data held out for validation.", 0.05)
+    packing: bool = doc("Pack each micro-batch's examples into rows of up to max_length (none split; attention and "
+                        "positions restart per example). The steps train on the same examples as without.", False)
+    group_by_length: bool = doc("Batch examples of similar length together (sorted within random groups of 16 "
+                                "steps), so batches pad less; epochs still shuffle.", False)
     # --- optimisation ---
     batch_size: int = doc("Micro-batch size per process.", 8)
     gradient_accumulation_steps: int = doc("Micro-batches per optimiser step.", 1)
@@ -71,8 +76,11 @@ class TrainConfig:
     eval_steps: Optional[int] = doc("At most this many validation batches; unset: all.")
     save_every: Optional[int] = doc("Checkpoint every N optimiser steps; unset: no intermediate checkpoints.", 500)
     keep_last: Optional[int] = doc("Keep the newest N checkpoints; unset keeps all.", 2)
+    keep_every: Optional[int] = doc("Also keep, permanently, the checkpoints at multiples of N steps.")
     output_dir: str = doc("Where checkpoints, final/, metrics.jsonl and report.html go.", "ckpts/run")
     checkpoint: Optional[str] = doc("A step_N folder to resume from.")
+    resume: Optional[str] = doc("'auto': resume from the newest complete checkpoint in output_dir, or start "
+                                "fresh when there is none. Unset: start fresh (checkpoint=PATH still resumes).")
     log_every: int = doc("Log training metrics every N optimiser steps.", 1)
     log_grads_every: Optional[int] = doc("With wandb: log gradient histograms every N steps.", 100)
     log_lr_every: Optional[int] = doc("gpt4all compatibility; the lr is logged with every training row.", 1)
@@ -119,22 +127,18 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             return value
         raise UserError(f"{key}: expected true or false, got {value!r}")
     if base is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise UserError(f"{key}: expected an integer, got {value!r}")
-        return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        # YAML 1.1 reads `1e3` as a string and `1000.0` as a float; both are fine as long as they are whole.
+        number = _number(value)
+        if number is not None and number.is_integer():
+            return int(number)
+        raise UserError(f"{key}: expected an integer, got {value!r}")
     if base is float:
-        if isinstance(value, bool):
+        number = _number(value)
+        if number is None:
             raise UserError(f"{key}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise UserError(f"{key}: expected a number, got {value!r}")
+        return number
     if base is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -146,6 +150,20 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             raise UserError(f"{key}: expected a list of strings, got {value!r}")
         return list(value)
     raise TypeError(f"unsupported config type for {key}: {tp}")  # a bug in the dataclass, not user input
+
+
+def _number(value: Any) -> float | None:
+    """`value` as a float when it is a number or a numeric string (`5e-5` is a string in YAML 1.1), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def _type_name(tp: Any) -> str:
@@ -176,10 +194,13 @@ def validate(config: TrainConfig) -> TrainConfig:
         ("max_grad_norm", c.max_grad_norm is None or c.max_grad_norm > 0, "must be > 0 (or unset to disable)"),
         ("max_steps", c.max_steps is None or c.max_steps >= 1, "must be at least 1"),
         ("keep_last", c.keep_last is None or c.keep_last >= 1, "must be at least 1"),
+        ("keep_every", c.keep_every is None or c.keep_every >= 1, "must be at least 1 (or unset)"),
+        ("resume", c.resume in (None, "auto"), "must be 'auto' or unset; to resume from a folder use checkpoint=PATH"),
         ("eval_steps", c.eval_steps is None or c.eval_steps >= 1, "must be at least 1"),
         ("push_to_hub", not c.push_to_hub or bool(c.save_name), "needs save_name (the Hub repo id)"),
     ]
-    for key in ("eval_every", "save_every", "log_every", "log_grads_every", "log_lr_every"):
+    checks.append(("log_every", c.log_every >= 1, "must be at least 1"))
+    for key in ("eval_every", "save_every", "log_grads_every", "log_lr_every"):
         value = getattr(c, key)
         checks.append((key, value is None or value >= 1, "must be at least 1 (or unset to disable)"))
     for key, ok, message in checks:
@@ -222,24 +243,31 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_config(values: dict[str, Any], cls: type = TrainConfig, source: str = "config") -> Any:
+def check_keys(values: dict[str, Any], cls: type, source: str) -> None:
+    """Reject the first key `cls` does not have, suggesting the closest valid name."""
     fields = config_fields(cls)
-    kwargs = {}
-    for key, value in values.items():
+    for key in values:
         if not isinstance(key, str) or key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UserError(f"{key}: unknown key in {source}{hint}")
-        kwargs[key] = coerce(key, value, typing.get_type_hints(cls)[key])
-    return cls(**kwargs)
+
+
+def build_config(values: dict[str, Any], cls: type = TrainConfig, source: str = "config") -> Any:
+    check_keys(values, cls, source)
+    hints = typing.get_type_hints(cls)
+    return cls(**{key: coerce(key, value, hints[key]) for key, value in values.items()})
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type = TrainConfig,
                 check: Any = validate) -> Any:
     """Read the YAML at `path` (if any), apply `key=value` overrides, type-check and validate."""
     values = read_yaml(path) if path else {}
-    values.update(parse_overrides(overrides or []))
-    config = build_config(values, cls, source=str(path or "overrides"))
+    from_command_line = parse_overrides(overrides or [])
+    # Check each source on its own, so an unknown key's error says where it was written.
+    check_keys(values, cls, str(path))
+    check_keys(from_command_line, cls, "the command-line overrides")
+    config = build_config({**values, **from_command_line}, cls)
     return check(config) if check else config
 
 

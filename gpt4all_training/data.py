@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,26 @@ def keep_head_for(tokenizer, template: str) -> int:
     return 1 if ids and ids[0] == tokenizer.bos_token_id else 0
 
 
+def tokenized_features(features):
+    """`features` plus the columns tokenize_batch adds. Declared, so that an empty split has them too."""
+    from datasets import Features, List, Value
+
+    return Features({**features, "input_ids": List(Value("int32")), "labels": List(Value("int64")),
+                     "n_trained": Value("int64"), "length": Value("int64"), "truncated_prompt": Value("bool"),
+                     "truncated_response": Value("bool"), "drop_reason": Value("string")})
+
+
+def drop_reason(prompt: Any, response: Any, response_ids: list[int], n_trained: int) -> str:
+    """Why a row cannot be trained on, or "" to keep it."""
+    if not isinstance(prompt, str):
+        return "missing_prompt"
+    if not isinstance(response, str):
+        return "missing_response"
+    if not response_ids:
+        return "empty_response"
+    return "no_trained_tokens" if n_trained == 0 else ""
+
+
 def tokenize_batch(batch: dict[str, list], tokenizer, max_length: int, template: str) -> dict[str, list]:
     """A batched `datasets.map` function: adds input_ids, labels and the bookkeeping columns for every row."""
     prompts = [p if isinstance(p, str) else "" for p in batch["prompt"]]
@@ -106,9 +127,9 @@ def tokenize_batch(batch: dict[str, list], tokenizer, max_length: int, template:
     keep_head = keep_head_for(tokenizer, template)
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_trained", "length", "truncated_prompt",
                                             "truncated_response", "drop_reason")}
-    for p_ids, r_ids in zip(prompt_ids, response_ids):
+    for prompt, response, p_ids, r_ids in zip(batch["prompt"], batch["response"], prompt_ids, response_ids):
         example = build_example(p_ids, r_ids, tokenizer.eos_token_id, max_length, keep_head)
-        reason = "empty_response" if not r_ids else ("no_trained_tokens" if example.n_trained == 0 else "")
+        reason = drop_reason(prompt, response, r_ids, example.n_trained)
         out["input_ids"].append(example.input_ids)
         out["labels"].append(example.labels)
         out["n_trained"].append(example.n_trained)
@@ -137,13 +158,17 @@ def load_records(dataset_path: str, revision: str | None = None):
 
     path = Path(dataset_path).expanduser()
     files = local_data_files(path)
+    if revision and path.exists():
+        # Local data has no revisions: datasets 5.2 reads a folder's current files whatever the revision (even in
+        # a git repository). Say so rather than let a pin look effective.
+        warnings.warn(f"revision {revision!r} is ignored for the local path {dataset_path}", stacklevel=2)
     try:
         if files is not None:
             ds = datasets.load_dataset("json", data_files=files, split="train")
         elif path.suffix in (".jsonl", ".json") or dataset_path.startswith((".", "/", "~")) and not path.exists():
             raise UserError(f"dataset_path: {dataset_path} does not exist")
         else:
-            # A Hub dataset id, or a local dataset repository folder: `revision` pins the exact data.
+            # A Hub dataset id (`revision` pins the exact data), or a local dataset repository folder.
             ds = datasets.load_dataset(dataset_path, revision=revision, split="train")
     except UserError:
         raise
@@ -163,13 +188,18 @@ def split_records(ds, val_fraction: float, seed: int):
     """(train, val) by `val_fraction` and `seed`: the same split every time, in training and inference alike."""
     if val_fraction <= 0 or len(ds) < 2:
         return ds, ds.select([])
-    n_val = max(1, round(len(ds) * val_fraction))
+    n_val = min(len(ds) - 1, max(1, round(len(ds) * val_fraction)))  # both splits keep at least one row
     parts = ds.train_test_split(test_size=n_val, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
 
 
 def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: int | None):
-    return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc,
+    import datasets
+
+    features = tokenized_features(ds.features)
+    if len(ds) == 0:
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+    return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc, features=features,
                   fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template},
                   desc="tokenising")
 
@@ -192,6 +222,8 @@ class DataStats:
     def describe(self, name: str) -> str:
         lens = self.lengths
         dropped = ", ".join(f"{k} {v}" for k, v in self.dropped.items()) or "none"
+        if not self.count:
+            return f"{name}: 0 examples; dropped {dropped}"
         return (f"{name}: {self.count} examples; tokens min {lens['min']:.0f} median {lens['median']:.0f} "
                 f"p95 {lens['p95']:.0f} max {lens['max']:.0f}; truncated {self.truncated_prompt} prompts, "
                 f"{self.truncated_response} responses (no EOS); dropped {dropped}; "

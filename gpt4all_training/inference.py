@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -178,14 +179,15 @@ def main_process_first(runtime: Runtime) -> Iterator[None]:
 @dataclass
 class Examples:
     """Both tokenised splits, concatenated (train first), with per-position split codes."""
-    dataset: object  # datasets.Dataset
+    dataset: object  # datasets.Dataset with every column
+    tokens: object  # the same rows, input_ids and labels only (cheaper to fetch)
     split_codes: np.ndarray
     indices: np.ndarray
     lengths: np.ndarray
     record_columns: list[str]
 
     def rows(self, positions: np.ndarray) -> list[dict]:
-        columns = self.dataset.select_columns(["input_ids", "labels"])[positions.tolist()]
+        columns = self.tokens[positions.tolist()]
         return [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
 
 
@@ -205,10 +207,14 @@ def load_examples(config: InferenceConfig, tokenizer) -> Examples:
         print(f"{name}: {len(split)} examples to score (dropped: {dropped})", flush=True)
         kept.append(split)
     combined = datasets.concatenate_datasets(kept)
+    if len(combined) == 0:
+        raise UserError(f"dataset_path {config.dataset_path}: no example has a trainable response")
     split_codes = np.repeat(np.arange(len(SPLITS), dtype=np.int64), [len(s) for s in kept])
-    record_columns = [c for c in combined.column_names if c not in TOKEN_COLUMNS and c not in RESULT_COLUMNS]
-    return Examples(combined, split_codes, np.asarray(combined["index"], dtype=np.int64),
-                    np.asarray(combined["length"], dtype=np.int64), record_columns)
+    # A record field named like an output column (a Hub dataset's own "split", say) gives way to the output.
+    record_columns = [c for c in combined.column_names if c not in (*TOKEN_COLUMNS, "index", *RESULT_COLUMNS)]
+    return Examples(combined, combined.select_columns(["input_ids", "labels"]), split_codes,
+                    np.asarray(combined["index"], dtype=np.int64), np.asarray(combined["length"], dtype=np.int64),
+                    record_columns)
 
 
 # ---------------------------------------------------------------- scoring
@@ -225,21 +231,23 @@ def score_batch(model, batch: dict[str, torch.Tensor], pooling: str) -> tuple[np
 
 def score_positions(model, examples: Examples, positions: np.ndarray, batch_size: int, pad_id: int, pooling: str,
                     device: torch.device, progress) -> dict[str, np.ndarray]:
-    losses, counts, embeddings = [], [], []
+    # The head's input width is the embedding width; an empty share still needs it for its shard's schema.
+    hidden = model.get_output_embeddings().weight.shape[1]
+    losses, counts, embeddings = [], [], [np.zeros((0, hidden), np.float32)]
     for start in range(0, len(positions), batch_size):
         chunk = positions[start:start + batch_size]
+        # collate pads on the right, which pool_hidden's "last real token" relies on
         batch = {k: v.to(device) for k, v in collate(examples.rows(chunk), pad_id).items()}
         loss, n_tokens, embedding = score_batch(model, batch, pooling)
         losses.append(loss)
         counts.append(n_tokens)
         embeddings.append(embedding)
         progress.update(len(chunk))
-    hidden = embeddings[0].shape[1] if embeddings else 0
     return {
         "position": positions,
-        "loss": np.concatenate(losses) if losses else np.zeros(0, np.float32),
-        "n_tokens": np.concatenate(counts) if counts else np.zeros(0, np.int64),
-        "embedding": np.concatenate(embeddings) if embeddings else np.zeros((0, hidden), np.float32),
+        "loss": np.concatenate([np.zeros(0, np.float32), *losses]),
+        "n_tokens": np.concatenate([np.zeros(0, np.int64), *counts]),
+        "embedding": np.concatenate(embeddings),
     }
 
 
@@ -287,13 +295,12 @@ def merge_shards(examples: Examples, output_dir: Path, world_size: int) -> Path:
     # Train precedes val in `examples` and each split is ordered by index after this sort: (split, index) order.
     order = np.lexsort((examples.indices[positions], examples.split_codes[positions]))
     shards = shards.take(pa.array(order))
-    records = examples.dataset.select_columns(examples.record_columns).with_format("arrow")[
+    table = examples.dataset.select_columns(examples.record_columns).with_format("arrow")[
         shards.column("position").to_pylist()]
-    table = records
-    for name in ("index", "split", "loss", "n_tokens", "embedding"):
-        if name in table.column_names:
-            table = table.drop_columns([name])
+    for name in ("index", *RESULT_COLUMNS):
         table = table.append_column(name, shards.column(name))
+    # The records' datasets metadata describes fewer columns than the table now has; drop it.
+    table = table.replace_schema_metadata(None)
     path = output_dir / RESULT_FILE
     tmp = path.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp)
@@ -366,8 +373,7 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
 
 
 def write_summary(config: InferenceConfig, runtime: Runtime, path: Path, elapsed: float) -> None:
-    import dataclasses
-
+    """inference.json: the config, per-split losses and the scoring throughput (model loading not included)."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(path, columns=["split", "loss", "n_tokens"])

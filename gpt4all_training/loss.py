@@ -1,15 +1,40 @@
-"""Token-level cross-entropy sums. Loss normalisation happens in the loop, over the trained tokens of a whole step."""
+"""Token-level cross-entropy sums. Loss normalisation happens in the loop, over the trained tokens of a whole step.
+
+The full-vocabulary logits of a batch are never built. The model runs with its output head swapped for an identity,
+so its forward (through DDP, DeepSpeed or torch.compile wrappers alike) returns the final hidden states. Only the
+positions that are trained (shifted label not IGNORE) are projected onto the vocabulary, in chunks of rows, by
+`ChunkedLinearCrossEntropy`. It computes the gradients for hidden states, head weight and bias chunk by chunk inside
+its forward, so the backward pass only scales them: the projection is not recomputed, and peak memory holds one
+chunk's logits instead of batch x length x vocab of them. Prompt and padding positions never reach the head at all.
+
+The plain path (full logits, then cross-entropy) remains for heads it cannot reproduce exactly: a head that is not a
+plain `nn.Linear` (LoRA on lm_head, modules_to_save), ZeRO-3 partitioned weights, or logit soft-capping/scaling.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .data import IGNORE
 
+# Logits elements per chunk: 8M floats (32 MiB in fp32), e.g. 170 rows of a 49k vocabulary.
+CHUNK_ELEMENTS = 1 << 23
+# Config attributes of models whose forward changes the logits after the head; those keep the plain path.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_IDENTITY = nn.Identity()  # one instance, so a compiled model sees the same module on every call
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What the model is called with. No KV cache: training never reads it, and transformers only reads restarting
+    position_ids as packed-sequence boundaries when there is none (with a cache, packed examples would attend to
+    each other)."""
+    inputs: dict[str, Any] = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    return {**inputs, "use_cache": False}
 
 
 def trained_token_count(batch: dict[str, torch.Tensor]) -> int:
@@ -17,10 +42,138 @@ def trained_token_count(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
+def real_token_count(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of examples (not padding): the attention mask of a padded batch, sequence_ids > 0 of a packed one."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int((batch["sequence_ids"] > 0).sum())
+
+
+def unwrap_model(model) -> nn.Module:
+    """The transformers model inside DDP / DeepSpeed / compile / PEFT wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        elif hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def output_head(model) -> tuple[nn.Module, str, nn.Linear] | None:
+    """(parent module, attribute name, head) when the chunked loss reproduces the model's logits exactly, else None."""
+    inner = unwrap_model(model)
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if get_head else None
+    if type(head) is not nn.Linear or hasattr(head.weight, "ds_id"):
+        return None
+    config = getattr(inner, "config", None)
+    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_TRANSFORMS):
+        return None
+    for name, module in inner.named_modules():
+        for child_name, child in module.named_children():
+            if child is head:
+                return module, child_name, head
+    return None
+
+
+@contextlib.contextmanager
+def head_removed(parent: nn.Module, name: str):
+    """The model returns its final hidden states in `.logits` while this lasts."""
+    head = getattr(parent, name)
+    setattr(parent, name, _IDENTITY)
+    try:
+        yield
+    finally:
+        setattr(parent, name, head)
+
+
+def compute_dtype(device: torch.device, param_dtype: torch.dtype) -> torch.dtype:
+    """The matmul dtype the head would run in: the autocast dtype when autocast is on, else the weight's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return param_dtype
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    logits = (hidden @ weight.T).float()
+    return logits + bias if bias is not None else logits
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_i NLL(softmax(hidden_i @ W.T + b), target_i) over rows of `hidden`, one chunk of rows at a time.
+
+    Forward computes the loss and, when needed, d loss / d (hidden, weight, bias) per chunk (softmax minus one-hot,
+    times the inputs); backward multiplies them by the incoming gradient. Matmuls run in `dtype`; softmax and
+    accumulation in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, dtype, chunk_rows, grad_enabled):
+        # needs_input_grad is set under torch.no_grad too; evaluation must not pay for gradients.
+        need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.float() if bias is not None else None
+            grad_hidden = torch.empty_like(hidden) if need_hidden else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, hidden.size(0), chunk_rows):
+                h = hidden[start:start + chunk_rows].to(dtype)
+                t = targets[start:start + chunk_rows]
+                logits = _chunk_logits(h, w, b)
+                lse = torch.logsumexp(logits, dim=-1)
+                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                if not (need_hidden or need_weight or need_bias):
+                    continue
+                grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1
+                if need_bias:
+                    grad_bias += grad_logits.sum(0)
+                g = grad_logits.to(dtype)
+                if need_hidden:
+                    grad_hidden[start:start + chunk_rows] = g @ w
+                if need_weight:
+                    grad_weight += (g.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.param_dtypes
+        return (grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
+                (grad_weight * grad_total).to(weight_dtype) if grad_weight is not None else None,
+                (grad_bias * grad_total).to(bias_dtype) if grad_bias is not None else None,
+                None, None, None, None)
+
+
+def chunked_nll_sum(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
+                    chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """Sum of NLL of `targets` under `head(hidden)` for rows of hidden (N, H), without N x vocab logits."""
+    dtype = compute_dtype(hidden.device, head.weight.dtype)
+    chunk_rows = max(1, chunk_elements // head.out_features)
+    return ChunkedLinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, dtype, chunk_rows,
+                                           torch.is_grad_enabled())
+
+
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum of next-token NLL over the trained positions of `batch` (fp32 maths whatever the autocast dtype)."""
-    logits = model(**model_inputs(batch)).logits
-    shifted = logits[:, :-1].float()
-    targets = batch["labels"][:, 1:].to(shifted.device)
-    return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                           reduction="sum")
+    targets = batch["labels"][:, 1:]
+    found = output_head(model)
+    if found is None:
+        logits = model(**model_inputs(batch)).logits
+        shifted = logits[:, :-1].float()
+        targets = targets.to(shifted.device)
+        return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                               reduction="sum")
+    parent, name, head = found
+    with head_removed(parent, name):
+        hidden = model(**model_inputs(batch)).logits
+    targets = targets.to(hidden.device)
+    trained = targets != IGNORE
+    return chunked_nll_sum(hidden[:, :-1][trained], head, targets[trained])

@@ -5,15 +5,25 @@ Micro-batch j of that step is the j-th slice of `batch_size * world_size`; rank 
 it. So global step s covers the same examples on 1, 2 or 8 ranks, and the position in an epoch is one integer:
 the step. Resuming starts at that step without reading the data before it. The last partial step of an epoch is
 dropped in every world size (never padded with repeated examples).
+
+With `lengths` given (group_by_length), each epoch's permutation is regrouped: it is cut into groups of
+`GROUP_STEPS` optimiser steps, each group is sorted by length (longest first) and cut into steps again, and the
+steps of a group are shuffled. A step, and each micro-batch in it, then holds examples of similar length and pads
+little. The order is still a function of (seed, epoch) alone, every example still comes once per epoch, epochs
+still differ, and a step's examples are the same for every world size with the same global batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
 from .errors import UserError
+
+# Steps whose examples are sorted by length together: larger groups give more even batches, smaller keep more shuffle.
+GROUP_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -24,6 +34,14 @@ class StepSampler:
     rank: int = 0
     grad_accum: int = 1
     seed: int = 0
+    lengths: Optional[Sequence[int]] = field(default=None, compare=False, repr=False)
+    _orders: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.lengths is not None:
+            if len(self.lengths) != self.n_examples:
+                raise ValueError(f"{len(self.lengths)} lengths for {self.n_examples} examples")
+            object.__setattr__(self, "lengths", torch.as_tensor(list(self.lengths), dtype=torch.long))
 
     @property
     def examples_per_step(self) -> int:
@@ -39,8 +57,15 @@ class StepSampler:
         return steps
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
+        if epoch in self._orders:
+            return self._orders[epoch]
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.n_examples, generator=generator)
+        order = torch.randperm(self.n_examples, generator=generator)
+        if self.lengths is not None:
+            order = group_by_length(order, self.lengths, self.examples_per_step, self.steps_per_epoch, generator)
+        self._orders.clear()  # one epoch at a time is all the loop asks for
+        self._orders[epoch] = order
+        return order
 
     def step_indices(self, step: int) -> list[list[int]]:
         """This rank's micro-batches (lists of example indices) for global optimiser step `step`."""
@@ -53,3 +78,21 @@ class StepSampler:
             offset = start + j * micro + self.rank * self.batch_size
             batches.append(order[offset:offset + self.batch_size].tolist())
         return batches
+
+
+def group_by_length(order: torch.Tensor, lengths: torch.Tensor, examples_per_step: int, steps: int,
+                    generator: torch.Generator, group_steps: int = GROUP_STEPS) -> torch.Tensor:
+    """`order` regrouped so that each step holds examples of similar length (see the module docstring).
+
+    Only the examples of the epoch's full steps are regrouped; the dropped tail stays the permutation's tail.
+    """
+    used = steps * examples_per_step
+    pieces = []
+    for start in range(0, used, group_steps * examples_per_step):
+        group = order[start:min(start + group_steps * examples_per_step, used)]
+        group = group[torch.sort(lengths[group], descending=True, stable=True).indices]
+        group_steps_here = group.numel() // examples_per_step
+        shuffled = torch.randperm(group_steps_here, generator=generator)
+        pieces.append(group.view(group_steps_here, examples_per_step)[shuffled].reshape(-1))
+    pieces.append(order[used:])
+    return torch.cat(pieces)

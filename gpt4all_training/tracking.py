@@ -1,13 +1,20 @@
-"""Metrics to metrics.jsonl, TensorBoard and wandb behind one small interface; main process only."""
+"""Metrics to metrics.jsonl, TensorBoard and wandb behind one small interface; main process only.
+
+A resumed run continues the same record: metrics.jsonl drops the rows logged after the checkpoint (they are
+replayed, exactly), TensorBoard purges them, and wandb continues the same run (its id is kept in output_dir) without
+re-sending steps it already has, so its step never goes backwards.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
 SECRET_KEYS = ("token", "password", "secret", "api_key")
+WANDB_ID_FILE = "wandb_run_id"
 
 
 def public_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -26,6 +33,16 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             break  # a line cut by a crash: everything before it is intact
     return rows
+
+
+def wandb_run_id(output_dir: str | Path, resume_step: int) -> str:
+    """The wandb run of this output_dir: the saved one when resuming, a new one (saved) otherwise."""
+    path = Path(output_dir) / WANDB_ID_FILE
+    if resume_step > 0 and path.is_file():
+        return path.read_text(encoding="utf-8").strip()
+    run_id = secrets.token_hex(6)  # wandb ids: up to 64 of [a-z0-9_-]
+    path.write_text(run_id, encoding="utf-8")
+    return run_id
 
 
 class Tracker:
@@ -52,7 +69,8 @@ class Tracker:
             import wandb
 
             self.wandb_run = wandb.init(project=project, entity=entity, config=public_config(config),
-                                        dir=str(output_dir), resume="allow")
+                                        dir=str(output_dir), id=wandb_run_id(output_dir, resume_step),
+                                        resume="allow")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:
@@ -65,7 +83,7 @@ class Tracker:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, step)
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and step >= self.wandb_run.step:  # a resumed run already has earlier steps
             self.wandb_run.log(metrics, step=step)
 
     def close(self) -> None:

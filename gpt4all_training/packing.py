@@ -1,0 +1,162 @@
+"""Packing: lay a micro-batch's examples out in as few rows as possible, with no attention across examples.
+
+What packing changes, and what it does not. The sampler fixes which examples each optimiser step trains on, as a
+function of (seed, epoch, step), for every world size. Packing only changes how one micro-batch's examples are laid
+out in rows: whole examples go into bins of up to `max_length` tokens (none is split), instead of one padded row
+each. The set of examples, their labels and the token-weighted loss of the step are unchanged, so a step with
+packing equals a step without it (within float rounding), resume stays one integer, and distributed parity holds as
+it does unpacked. Packing across micro-batches would pack tighter, but it would make a step's contents depend on the
+packer, and the step count on the data's lengths.
+
+The row layout. First-fit decreasing decides how many rows a micro-batch needs. The examples are then dealt again,
+longest first, each onto the row with the fewest tokens so far (still never past `max_length`). Rows come out nearly
+equal in length, and the batch is padded only to its longest row: pure first-fit decreasing would fill the first
+rows to `max_length` and leave the last one short, which pads every row to `max_length`.
+
+How attention is kept inside each example. A packed batch carries `position_ids` that restart at 0 for every example
+(and for the padding at the end of a row), and no `attention_mask`. transformers 5 (masking_utils
+`find_packed_sequence_indices`) reads a restart of the position ids as a sequence boundary whenever no 2-D mask is
+given, and builds a block-diagonal causal mask for the attention implementation in use:
+- sdpa and eager (CPU and GPU): a 4-D boolean or additive mask, block-diagonal and causal;
+- flex attention: a block mask from the same rule;
+- flash-attention 2/3 (GPU): varlen kernels with `cu_seqlens` taken from the position ids, so no padding or masked
+  blocks are computed at all.
+One batch format therefore works on CPU and GPU with GPT-J, Llama and the other models built on `create_causal_mask`.
+A model with its own attention code may ignore position ids and attend across examples; `check_isolation` runs at
+start-up and refuses such a model rather than train it on contaminated context.
+
+Labels are the unpacked labels copied as they are. The first token of each example keeps its IGNORE label (nothing
+in the example predicts it; the previous example's last token must not learn to predict it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .data import IGNORE, fetch_batch
+from .errors import UserError
+from .loss import model_inputs, unwrap_model
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins (lists of positions into `lengths`) of total length <= capacity: each item, longest first, into the
+    first bin with room. Ties keep the input order, so the result is deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        if lengths[i] > capacity:
+            raise ValueError(f"an example of {lengths[i]} tokens does not fit a row of {capacity}")
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= capacity:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def balanced_bins(lengths: list[int], n_bins: int, capacity: int) -> list[list[int]] | None:
+    """Longest first onto the least-filled of `n_bins` bins; None if some item finds no bin with room."""
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    loads = [0] * n_bins
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = min(range(n_bins), key=lambda k: loads[k])
+        if loads[b] + lengths[i] > capacity:
+            return None
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return bins
+
+
+def pack_rows(lengths: list[int], max_length: int) -> list[list[int]]:
+    """The rows of a packed micro-batch: the fewest rows first-fit decreasing finds, with loads balanced when the
+    balanced deal also fits, so that padding to the longest row wastes little. No example is split."""
+    if not lengths:
+        return []
+    rows = first_fit_decreasing(lengths, max_length)
+    balanced = balanced_bins(lengths, len(rows), max_length)
+    if balanced is not None and max(sum(lengths[i] for i in b) for b in balanced) <= \
+            max(sum(lengths[i] for i in r) for r in rows):
+        rows = balanced
+    return [sorted(row) for row in rows]  # the sampler's order inside a row: the layout is a pure function of it
+
+
+def collate_packed(rows: list[dict[str, Any]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    """A packed micro-batch: input_ids, labels, position_ids and sequence_ids, each (rows, width).
+
+    sequence_ids numbers the examples of a row from 1 and marks padding 0; it is bookkeeping (real-token counts,
+    tests) and is never given to the model. Padding gets its own restarting positions so it forms its own block.
+    """
+    lengths = [len(r["input_ids"]) for r in rows]
+    layout = pack_rows(lengths, max_length)
+    width = max(sum(lengths[i] for i in row) for row in layout)
+    shape = (len(layout), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, IGNORE, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    sequence_ids = torch.zeros(shape, dtype=torch.long)
+    for r, row in enumerate(layout):
+        start = 0
+        for number, i in enumerate(row, start=1):
+            n = lengths[i]
+            input_ids[r, start:start + n] = torch.as_tensor(rows[i]["input_ids"])
+            labels[r, start:start + n] = torch.as_tensor(rows[i]["labels"])
+            labels[r, start] = IGNORE
+            position_ids[r, start:start + n] = torch.arange(n)
+            sequence_ids[r, start:start + n] = number
+            start += n
+        position_ids[r, start:] = torch.arange(width - start)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "sequence_ids": sequence_ids}
+
+
+def fetch_packed_batch(dataset, indices: list[int], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    """Rows `indices` of a tokenised dataset, packed."""
+    columns = dataset.select_columns(["input_ids", "labels"])[indices]
+    rows = [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
+    return collate_packed(rows, pad_id, max_length)
+
+
+def batch_fetcher(packing: bool, max_length: int) -> Callable[[Any, list[int], int], dict[str, torch.Tensor]]:
+    """fetch(dataset, indices, pad_id) -> micro-batch: packed or padded to its longest example."""
+    if not packing:
+        return fetch_batch
+    return lambda dataset, indices, pad_id: fetch_packed_batch(dataset, indices, pad_id, max_length)
+
+
+@torch.no_grad()
+def check_isolation(model, tolerance: float = 1e-3) -> float:
+    """Refuse packing for a model that attends across packed examples; returns the measured difference.
+
+    `model` may be wrapped (DDP, DeepSpeed, PEFT): it is called like in training, so under ZeRO-3 every rank runs it.
+
+    Two short examples are run packed in one row and the second alone. With isolation its log-probabilities are the
+    same up to rounding; attention across the boundary changes them at the first position already.
+    """
+    embeddings = unwrap_model(model).get_input_embeddings()
+    vocab, device = embeddings.num_embeddings, embeddings.weight.device
+    was_training = model.training
+    model.eval()
+    try:
+        first = torch.tensor([3, 1, 4, 1, 5]) % vocab
+        second = torch.tensor([9, 2, 6, 5]) % vocab
+        packed = torch.cat([first, second])[None].to(device)
+        positions = torch.cat([torch.arange(5), torch.arange(4)])[None].to(device)
+        inside = model(**model_inputs({"input_ids": packed, "position_ids": positions}))
+        alone = model(**model_inputs({"input_ids": second[None].to(device)}))
+        inside = inside.logits[0, 5:].float().log_softmax(-1)
+        alone = alone.logits[0].float().log_softmax(-1)
+    finally:
+        model.train(was_training)
+    difference = float((inside - alone).abs().max())
+    if not difference <= tolerance:
+        name = type(unwrap_model(model)).__name__
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", "?")
+        raise UserError(f"packing: {name} with attention '{implementation}' lets packed examples attend to each "
+                        f"other (log-prob difference {difference:.2e}); set packing: false or use a model built on "
+                        f"transformers' create_causal_mask")
+    return difference

@@ -1,0 +1,128 @@
+"""One real launch per configuration, shared by every test that reads it (session scope: each launch costs
+seconds of interpreter start-up, so it runs once however many tests look at it).
+
+Every run trains the same 8 optimiser steps of global batch 4 on the tiny GPT-J in fp32: the 1-process references
+as batch 4, the 2-process runs as batch 1 x gradient accumulation 2 x 2 ranks. Global step s is the same 4 examples
+in all of them (sampler.py), so they must agree within floating-point summation order. Every run checkpoints at
+step 4, so DeepSpeed runs also write their engine state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .runs import PYTHON, accelerate, free_port, launch, train_command, weights
+
+STEPS = 8
+ZERO3 = "--deepspeed_config_file=configs/deepspeed/ds_config_zero3.json"
+OFFLOAD = "--deepspeed_config_file=configs/deepspeed/ds_config_gptj_lora.json"  # ZeRO-2, optimiser on the CPU
+SINGLE = ("batch_size=4", "gradient_accumulation_steps=1")
+LORA = ("lora=true",)
+
+
+@pytest.fixture(scope="session")
+def dist_config(tiny_model_dir, clean_dolly, tmp_path_factory) -> Path:
+    """Weight decay 1.0 moves the weights by up to ~1e-3 in 8 steps, 20x the parity tolerance: an optimiser that
+    lost it (gpt4all's DeepSpeed runs did) fails the parity tests. Clipping at 1.0 is active (norms ~1.2-1.8),
+    so DeepSpeed's gradient_clipping must come from max_grad_norm. No LoRA dropout: ranks draw different masks
+    than one process does."""
+    config = {"model_name": str(tiny_model_dir), "dataset_path": str(clean_dolly), "max_length": 128,
+              "batch_size": 1, "gradient_accumulation_steps": 2, "lr": 3.0e-3, "min_lr": 1.0e-4, "warmup_steps": 2,
+              "weight_decay": 1.0, "max_grad_norm": 1.0, "max_steps": STEPS, "eval_every": None,
+              "eval_steps": None, "save_every": 4, "keep_last": 2, "val_fraction": 0.05, "seed": 7, "num_proc": 1,
+              "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "report_to": ["jsonl"]}
+    path = tmp_path_factory.mktemp("dist-config") / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def runs_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist-runs")
+
+
+@pytest.fixture(scope="session")
+def single_run(dist_config, runs_dir):
+    """The reference: one process through configs/accelerate/single_gpu.yaml."""
+    out = runs_dir / "single"
+    return launch([train_command(accelerate("single_gpu.yaml"), dist_config, out, *SINGLE)], out)
+
+
+@pytest.fixture(scope="session")
+def single_lora_run(dist_config, runs_dir):
+    """The LoRA reference: plain `python train.py`."""
+    out = runs_dir / "single-lora"
+    return launch([train_command([PYTHON], dist_config, out, *SINGLE, *LORA)], out)
+
+
+@pytest.fixture(scope="session")
+def ddp_run(dist_config, runs_dir):
+    out = runs_dir / "ddp"
+    launcher = accelerate("multi_gpu_8.yaml", "--num_processes=2", f"--main_process_port={free_port()}")
+    return launch([train_command(launcher, dist_config, out)], out)
+
+
+@pytest.fixture(scope="session")
+def zero2_run(dist_config, runs_dir):
+    """ZeRO-2 as the documented 2-node launch: two `accelerate launch` commands, machine ranks 0 and 1, one process
+    each, meeting at main_process_ip (localhost here), exactly as on two machines."""
+    out = runs_dir / "zero2-2node"
+    port = free_port()
+    commands = [train_command(accelerate("deepspeed_2node.yaml", "--num_processes=2", f"--machine_rank={rank}",
+                                         "--main_process_ip=127.0.0.1", f"--main_process_port={port}"),
+                              dist_config, out)
+                for rank in (0, 1)]
+    return launch(commands, out)
+
+
+@pytest.fixture(scope="session")
+def zero3_run(dist_config, runs_dir):
+    out = runs_dir / "zero3"
+    launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
+    return launch([train_command(launcher, dist_config, out)], out)
+
+
+@pytest.fixture(scope="session")
+def offload_lora_run(dist_config, runs_dir):
+    """LoRA on ZeRO-2 with the optimiser offloaded to the CPU (DeepSpeedCPUAdam; compiled once, ~40 s, into
+    TORCH_EXTENSIONS_DIR)."""
+    out = runs_dir / "zero2-offload-lora"
+    launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", OFFLOAD)
+    return launch([train_command(launcher, dist_config, out, *LORA)], out)
+
+
+@pytest.fixture(scope="session")
+def zero3_lora_run(dist_config, runs_dir):
+    out = runs_dir / "zero3-lora"
+    launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
+    return launch([train_command(launcher, dist_config, out, *LORA, "merge_lora=true")], out)
+
+
+@pytest.fixture(scope="session")
+def zero3_lora_resumed_run(dist_config, runs_dir, zero3_lora_run):
+    """The ZeRO-3 LoRA run again, resumed from its step-4 checkpoint into a new output_dir."""
+    out = runs_dir / "zero3-lora-resumed"
+    launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
+    checkpoint = f"checkpoint={zero3_lora_run.output_dir / 'step_4'}"
+    return launch([train_command(launcher, dist_config, out, *LORA, "merge_lora=true", checkpoint)], out)
+
+
+@pytest.fixture(scope="session")
+def initial_weights(tiny_model_dir):
+    return weights(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def validation(dist_config):
+    """The validation split every run evaluated at its last step, rebuilt here from the same config."""
+    from gpt4all_training.config import load_config
+    from gpt4all_training.data import load_data
+    from gpt4all_training.modeling import load_tokenizer
+
+    config = load_config(dist_config)
+    tokenizer = load_tokenizer(config.model_name)
+    (_, val_ds), _ = load_data(config, tokenizer)
+    return val_ds, tokenizer.pad_token_id

@@ -1,0 +1,51 @@
+"""SIGTERM (a preempted instance) and SIGINT (Ctrl-C) finish the current step, write a checkpoint and exit with
+128 + the signal; resuming then continues bitwise exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from gpt4all_training.checkpoint import GracefulStop, verify
+
+from .conftest import TOTAL_STEPS
+from .harness import assert_same_run, exact_rows, explain, run_train, step_dirs
+
+
+def test_sigterm_then_sigint_checkpoint_exit_and_resume_exactly(resume_config, reference, tmp_path):
+    out = tmp_path / "run"
+    stopped = run_train(resume_config, out, crash="SIGTERM:6")
+    assert stopped.returncode == 128 + signal.SIGTERM, explain(stopped)
+    assert "SIGTERM received: finishing this step and writing a checkpoint" in stopped.stderr
+    assert "stopped by SIGTERM after step 6" in stopped.stdout
+    assert "Traceback" not in stopped.stderr
+    # step_6 is off the save_every=4 grid: written because of the signal, after step 6 and nothing more.
+    assert step_dirs(out) == ["step_4", "step_6"] and verify(out / "step_6") is None
+    assert exact_rows(out)[-1]["step"] == 6 and not (out / "final").exists()
+
+    stopped = run_train(resume_config, out, "resume=auto", crash="SIGINT:17")
+    assert stopped.returncode == 128 + signal.SIGINT, explain(stopped)
+    assert f"resumed from {out / 'step_6'} at step 6" in stopped.stdout
+    assert step_dirs(out) == ["step_8", "step_16", "step_17"] and verify(out / "step_17") is None
+
+    resumed = run_train(resume_config, out, "resume=auto")
+    assert resumed.returncode == 0, explain(resumed)
+    assert f"resumed from {out / 'step_17'} at step 17" in resumed.stdout
+    assert_same_run(out, reference, TOTAL_STEPS)
+
+
+def test_second_signal_stops_at_once_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = GracefulStop()
+    try:
+        assert stop.received is None
+        os.kill(os.getpid(), signal.SIGTERM)  # the first one only asks the loop to stop after this step
+        assert (stop.received, stop.exit_code, stop.signal_name) == (signal.SIGTERM, 143, "SIGTERM")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGTERM) is before  # the second signal already restored them
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGTERM) is before

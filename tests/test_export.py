@@ -1,0 +1,460 @@
+"""export.py and gguf_export.py: files that real readers load back to the same model.
+
+Every GGUF here is read by transformers' own GGUF loader (`from_pretrained(dir, gguf_file=...)`), the same layout
+llama.cpp reads; every HF export by `from_pretrained(dir)`. The models are a tiny Llama (2 layers, width 64,
+4 heads, 2 KV heads) with a byte-level BPE tokenizer that has a chat template and ChatML special tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import textwrap
+
+import pytest
+import torch
+import numpy as np
+import yaml
+
+from conftest import PYTHON, REPO, dolly_texts
+from gpt4all_training.errors import UserError
+from gpt4all_training.export import export
+
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tokenizer_dir, tmp_path_factory):
+    """The session BPE tokenizer plus two special tokens appended after the BPE vocabulary, and a chat template."""
+    from gpt4all_training.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("chat-tokenizer")
+    tokenizer.save_pretrained(path)
+    return load_tokenizer(str(path))
+
+
+def build_tiny_llama(tokenizer, tie: bool = False, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norm weights, so a misplaced norm tensor would show in the logits
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def save_model_folder(model, tokenizer, path, license_id: str | None = "apache-2.0"):
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if license_id:
+        (path / "README.md").write_text(f"---\nlicense: {license_id}\n---\n# tiny\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(chat_tokenizer, tmp_path_factory):
+    return save_model_folder(build_tiny_llama(chat_tokenizer), chat_tokenizer, tmp_path_factory.mktemp("tiny-llama"))
+
+
+def sample_ids(tokenizer) -> torch.Tensor:
+    text = "Which is a species of fish? Tope or Rope. <|im_start|>assistant\nTope<|im_end|>"
+    return torch.tensor([tokenizer(text)["input_ids"]])
+
+
+def logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def load_gguf(folder):
+    from transformers import AutoModelForCausalLM
+
+    (path,) = folder.glob("*.gguf")
+    return AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def gguf_fields(folder) -> dict:
+    import gguf
+
+    (path,) = folder.glob("*.gguf")
+    reader = gguf.GGUFReader(str(path))
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    fields["tensors"] = {tensor.name: tensor for tensor in reader.tensors}
+    return fields
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_gguf_f32_reloads_with_the_same_logits(chat_tokenizer, tie, tmp_path):
+    model = build_tiny_llama(chat_tokenizer, tie=tie)
+    source = save_model_folder(model, chat_tokenizer, tmp_path / "model")
+    export(str(source), str(tmp_path / "out"), "gguf", "f32")
+
+    fields = gguf_fields(tmp_path / "out")
+    assert {key: fields[f"llama.{key}"] for key in (
+        "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+        "attention.head_count_kv", "rope.dimension_count", "vocab_size")} == {
+        "block_count": 2, "context_length": 256, "embedding_length": 64, "feed_forward_length": 128,
+        "attention.head_count": 4, "attention.head_count_kv": 2, "rope.dimension_count": 16, "vocab_size": 1002}
+    assert fields["llama.rope.freq_base"] == 10000.0
+    assert fields["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert fields["general.architecture"] == "llama" and fields["general.license"] == "apache-2.0"
+    # A tied head has no tensor of its own: both readers then use token_embd for the output.
+    assert ("output.weight" in fields["tensors"]) is not tie
+    assert fields["tensors"]["blk.0.attn_k.weight"].tensor_type.name == "F32"
+
+    reloaded = load_gguf(tmp_path / "out")
+    assert reloaded.config.tie_word_embeddings is tie
+    ids = sample_ids(chat_tokenizer)
+    assert (logits(reloaded, ids) - logits(model, ids)).abs().max().item() <= 1e-4  # measured: 0.0
+
+
+def test_gguf_tokenizer_reads_back_to_the_same_ids(chat_tokenizer, tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    export(str(tiny_llama_dir), str(tmp_path / "out"), "gguf", "f32")
+    (path,) = (tmp_path / "out").glob("*.gguf")
+    reread = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+    conversation = [{"role": "user", "content": "Name 3 fish."}, {"role": "assistant", "content": "Tope, cod, eel."}]
+    chat_text = chat_tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert chat_text.startswith("<|im_start|>user\nName 3 fish.<|im_end|>")
+    for text in [*dolly_texts(30), chat_text, "  spaces,\ttabs\nand ünïcödé 12345 <|endoftext|>"]:
+        assert reread(text)["input_ids"] == chat_tokenizer(text)["input_ids"], text
+    assert reread.chat_template == CHAT_TEMPLATE
+
+    fields = gguf_fields(tmp_path / "out")
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    assert len(fields["tokenizer.ggml.tokens"]) == 1002
+    special_ids = [chat_tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+    assert special_ids == [0, 1000, 1001]
+    types = fields["tokenizer.ggml.token_type"]
+    assert [i for i, token_type in enumerate(types) if token_type == 3] == special_ids  # 3: control
+    assert set(types) == {1, 3}
+    merges = json.loads(chat_tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    assert fields["tokenizer.ggml.merges"] == [" ".join(pair) for pair in merges]
+    assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"],
+            fields["tokenizer.ggml.padding_token_id"]) == (0, 0, 0)  # bos = eos = pad, like GPT-J's tokenizer
+    assert fields["tokenizer.ggml.add_bos_token"] is False
+
+
+def test_gguf_q8_0_equals_gguf_own_quantiser(chat_tokenizer, tiny_llama_dir, tmp_path):
+    """Q8_0 matrices are exactly gguf's dequantize(quantize(w)); vectors stay F32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from transformers import AutoModelForCausalLM
+
+    export(str(tiny_llama_dir), str(tmp_path / "out"), "gguf", "q8_0")
+    tensors = gguf_fields(tmp_path / "out")["tensors"]
+    assert {t.tensor_type.name for name, t in tensors.items() if name.endswith("norm.weight")} == {"F32"}
+    assert {t.tensor_type.name for name, t in tensors.items() if not name.endswith("norm.weight")} == {"Q8_0"}
+
+    original = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    expected = copy.deepcopy(original)
+    with torch.no_grad():
+        for param in expected.parameters():
+            if param.ndim == 2:  # Q8_0 blocks run along rows, so the q/k row permutation commutes with it
+                q8 = dequantize(quantize(param.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+                param.copy_(torch.from_numpy(q8))
+    reloaded = load_gguf(tmp_path / "out")
+    for name, param in expected.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], param), name
+
+    ids = sample_ids(chat_tokenizer)
+    assert (logits(reloaded, ids) - logits(expected, ids)).abs().max().item() <= 1e-5
+    # Measured 7.4e-3 against fp32 (logits here span about +-0.6): 8-bit weights with one scale per 32.
+    assert (logits(reloaded, ids) - logits(original, ids)).abs().max().item() <= 2e-2
+
+
+@pytest.mark.parametrize("dtype, torch_dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_gguf_half_precision_stores_rounded_weights(tiny_llama_dir, dtype, torch_dtype, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    export(str(tiny_llama_dir), str(tmp_path / "out"), "gguf", dtype)
+    tensors = gguf_fields(tmp_path / "out")["tensors"]
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == dtype.upper()
+    original = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    reloaded = load_gguf(tmp_path / "out")
+    for name, param in original.state_dict().items():
+        expected = param.to(torch_dtype).float() if param.ndim == 2 else param
+        assert torch.equal(reloaded.state_dict()[name], expected), name
+
+
+def test_cli_prints_each_file_with_its_size(tiny_llama_dir, tmp_path, capsys):
+    from gpt4all_training.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--from", str(tiny_llama_dir), "--to", str(tmp_path / "tiny"), "--format", "gguf",
+              "--dtype", "f16"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    size = (tmp_path / "tiny" / "tiny-F16.gguf").stat().st_size
+    assert f"{tmp_path / 'tiny' / 'tiny-F16.gguf'}  {size / 1e6:.1f} MB" in lines
+    assert lines[-1].startswith(f"exported {tiny_llama_dir} as gguf in ")
+
+
+def test_q8_0_falls_back_to_f16_for_rows_not_a_multiple_of_32():
+    from gpt4all_training.gguf_export import encode_tensor
+
+    rows = torch.randn(4, 48).numpy()
+    data, qtype = encode_tensor(rows, "q8_0")
+    assert qtype.name == "F16" and np.array_equal(data, rows.astype(np.float16))
+    data, qtype = encode_tensor(torch.randn(4, 64).numpy(), "q8_0")
+    assert qtype.name == "Q8_0" and data.shape == (4, 2 * 34)  # per 32 values: an fp16 scale and 32 int8
+    assert encode_tensor(rows[0], "q8_0")[1].name == "F32"  # vectors (norm weights) stay F32
+
+
+def test_gguf_name_keeps_mistral_out():
+    """transformers would load a llama file named "mistral" as Mistral."""
+    from gpt4all_training.gguf_export import gguf_name
+
+    assert gguf_name("my-Mistral-7B-tune") == "my-7B-tune"
+    assert gguf_name("mistral") == "model" and gguf_name("smollm2-dolly") == "smollm2-dolly"
+
+
+def test_gptj_gguf_export_is_refused_with_one_line(tiny_model_dir, tmp_path):
+    """No GGUF reader runs GPT-J: transformers has no GPT-J GGUF loader, llama.cpp no GPT-J graph."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    assert "gptj" not in GGUF_SUPPORTED_ARCHITECTURES and "llama" in GGUF_SUPPORTED_ARCHITECTURES
+    result = subprocess.run([PYTHON, str(REPO / "export.py"), "--from", str(tiny_model_dir),
+                             "--to", str(tmp_path / "out"), "--format", "gguf"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --format gguf: GPT-J cannot be exported as GGUF")
+    assert "use --format hf" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+# ---------------------------------------------------------------- HF export and LoRA merge
+
+
+def test_gptj_exports_as_hf_in_bf16(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    export(str(tiny_model_dir), str(tmp_path / "out"), "hf")  # default dtype: bf16
+    assert saved_dtypes(tmp_path / "out") == {torch.bfloat16}
+    original = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    assert exported.config.model_type == "gptj"
+    for name, param in original.state_dict().items():
+        if param.is_floating_point():
+            assert torch.equal(exported.state_dict()[name], param.to(torch.bfloat16).float()), name
+
+
+def make_adapter(base_name: str, path, seed: int = 1):
+    """A PEFT adapter on `base_name` with random non-zero B matrices (a fresh adapter is a no-op)."""
+    from peft import LoraConfig, get_peft_model
+
+    from gpt4all_training.modeling import load_model
+
+    model = get_peft_model(load_model(base_name, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def saved_dtypes(folder) -> set[torch.dtype]:
+    from safetensors import safe_open
+
+    dtypes = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            dtypes |= {f.get_tensor(key).dtype for key in f.keys()}
+    return dtypes
+
+
+# Exported weights are exact (asserted below: merged in fp32, rounded once), so the logits may differ from the
+# unmerged adapter model only by that one rounding: relative error u per weight, u = 2^-8 for bf16 and 2^-11 for
+# f16 (round to nearest with 8 and 11 significant bits). Through the embedding, 7 matrices per layer and the head,
+# the logit error stays a small multiple of u * max|logit|: measured 2.4 u (bf16: 6.1e-3) and 1.7 u (f16: 5.3e-4)
+# with max|logit| 0.66; 8 u leaves room for other seeds. In f32 only the summation order differs (measured 3.3e-7).
+UNIT_ROUNDOFF = {"f16": 2.0**-11, "bf16": 2.0**-8}
+
+
+@pytest.mark.parametrize("dtype, torch_dtype", [("f32", torch.float32), ("f16", torch.float16),
+                                                ("bf16", torch.bfloat16)])
+def test_hf_export_of_adapter_matches_unmerged_adapter(chat_tokenizer, tiny_llama_dir, dtype, torch_dtype,
+                                                       tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    adapter = make_adapter(str(tiny_llama_dir), tmp_path / "adapter")
+    merged_in_fp32 = copy.deepcopy(adapter).merge_and_unload().state_dict()
+    files = export(str(tmp_path / "adapter"), str(tmp_path / "out"), "hf", dtype)
+
+    assert {f.name for f in files} == {"README.md", "chat_template.jinja", "config.json", "generation_config.json",
+                                       "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert saved_dtypes(tmp_path / "out") == {torch_dtype}
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    for name, param in exported.state_dict().items():  # merged in fp32, then cast once
+        assert torch.equal(param, merged_in_fp32[name].to(torch_dtype).float()), name
+    ids = sample_ids(chat_tokenizer)
+    difference = (logits(exported, ids) - logits(adapter, ids)).abs().max().item()
+    tolerance = 8 * UNIT_ROUNDOFF[dtype] * logits(adapter, ids).abs().max().item() if dtype != "f32" else 1e-5
+    assert difference <= tolerance
+    with adapter.disable_adapter():  # the adapter changes the model, so the comparison means something
+        base_logits = logits(adapter, ids)
+    assert (logits(adapter, ids) - base_logits).abs().max().item() > 0.05
+
+
+def test_adapter_on_gguf_base_merges_into_dequantised_weights(chat_tokenizer, tiny_llama_dir, tmp_path):
+    """The demo's case: the base is a quantised GGUF. The adapter is merged into its fp32 dequantised weights,
+    and the base's license (read from the GGUF metadata) reaches the model card."""
+    export(str(tiny_llama_dir), str(tmp_path / "base"), "gguf", "q8_0")
+    (base_gguf,) = (tmp_path / "base").glob("*.gguf")
+    adapter = make_adapter(str(base_gguf), tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == str(base_gguf)
+    export(str(tmp_path / "adapter"), str(tmp_path / "out"), "hf", "f32")
+
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    ids = sample_ids(chat_tokenizer)
+    assert (logits(exported, ids) - logits(adapter, ids)).abs().max().item() <= 1e-5
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "license: apache-2.0" in card and f"| Base model | {base_gguf} |" in card
+
+
+# ---------------------------------------------------------------- training outputs
+
+
+def write_run(output_dir, step: int, config: dict):
+    """A training output_dir as train.py leaves it: step_N/ with optimiser state, and metrics.jsonl."""
+    step_dir = output_dir / f"step_{step}"
+    (step_dir / "rng").mkdir(parents=True)
+    torch.save({"state": {}, "param_groups": []}, step_dir / "optimizer.pt")
+    torch.save({"last_epoch": step}, step_dir / "scheduler.pt")
+    torch.save({"torch": torch.get_rng_state()}, step_dir / "rng" / "rank0.pt")
+    (step_dir / "state.json").write_text(json.dumps({"step": step, "epoch": 0, "position": 24,
+                                                     "trained_tokens": 5000}))
+    (step_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    (step_dir / "COMPLETE").write_text("")
+    rows = [{"step": 1, "train_loss": 6.9, "lr": 1e-3}, {"step": 2, "train_loss": 6.5, "val_loss": 6.61},
+            {"step": step, "train_loss": 6.25, "lr": 1e-3}]
+    (output_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return step_dir
+
+
+def test_step_checkpoint_exports_sharded_without_training_state(chat_tokenizer, tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = {"model_name": str(tiny_llama_dir), "dataset_path": "data/dolly_clean.jsonl", "lr": 0.001}
+    step_dir = write_run(tmp_path / "run", 3, config)
+    model = build_tiny_llama(chat_tokenizer, seed=3)  # "trained" weights differ from the base
+    save_model_folder(model, chat_tokenizer, step_dir / "model", license_id=None)
+    files = export(str(step_dir), str(tmp_path / "out"), "hf", "f32", max_shard_size="100KB")
+
+    names = {f.name for f in files}
+    shards = {name for name in names if name.endswith(".safetensors")}
+    assert len(shards) > 1 and "model.safetensors.index.json" in names
+    assert names - shards == {"README.md", "chat_template.jinja", "config.json", "generation_config.json",
+                              "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"}
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    ids = sample_ids(chat_tokenizer)
+    assert torch.equal(logits(exported, ids), logits(model, ids))
+
+    card = (tmp_path / "out" / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["license"] == "apache-2.0"  # from the base model's card, named by the run's config
+    for row in (f"| Base model | {tiny_llama_dir} |", "| Training data | data/dolly_clean.jsonl |",
+                "| Training steps | 3 |", "| Final train_loss | 6.2500 |", "| Final val_loss | 6.6100 |",
+                "| Method | full fine-tuning |", "| Export | hf f32 |"):
+        assert row in card
+    assert yaml.safe_load(card.split("```yaml")[1].split("```")[0]) == config
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"fmt": "hf", "dtype": "q8_0"}, "--dtype q8_0: --format hf takes one of f32, f16, bf16"),
+    ({"to": "model.gguf"}, "give a folder; the .gguf file and README.md are written inside it"),
+    ({"source": "no/such/folder"}, "--from no/such/folder: not found"),
+])
+def test_bad_arguments_are_user_errors(tiny_llama_dir, tmp_path, bad, message):
+    arguments = {"source": str(tiny_llama_dir), "to": str(tmp_path / "out"), "fmt": "gguf", **bad}
+    with pytest.raises(UserError, match=message.replace(".", r"\.")):
+        export(**arguments)
+
+
+def test_existing_output_is_not_overwritten(tiny_llama_dir, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="already exists and is not empty"):
+        export(str(tiny_llama_dir), str(tmp_path / "out"), "hf")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO checkpoints
+
+ZERO_SCRIPT = textwrap.dedent("""
+    # One real DeepSpeed engine on CPU (1 process): one AdamW step, then save_checkpoint as ZeRO shards.
+    import os, sys
+    from pathlib import Path
+    import torch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import deepspeed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    base, out = Path(sys.argv[1]), Path(sys.argv[2])
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = torch.tensor([tokenizer("Which is a species of fish? Tope or Rope.")["input_ids"]])
+    for stage, lora in ((2, False), (3, False), (2, True)):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        step_dir = out / f"zero{stage}{'-lora' if lora else ''}" / "step_1"
+        (step_dir / "model").mkdir(parents=True)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "v_proj"]))
+            model.peft_config["default"].save_pretrained(step_dir / "model")
+        else:
+            model.config.save_pretrained(step_dir / "model")
+        tokenizer.save_pretrained(step_dir / "model")
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True})
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        engine.save_checkpoint(str(step_dir), tag="pytorch_model")
+        with torch.no_grad():
+            torch.save({"ids": ids, "logits": engine(input_ids=ids).logits.float()}, step_dir.parent / "expected.pt")
+""")
+
+
+def test_zero_checkpoints_consolidate_to_the_trained_model(tiny_llama_dir, tmp_path):
+    """ZeRO-2, ZeRO-3 and a ZeRO-2 LoRA run: the export computes what the engine computed after its step."""
+    from transformers import AutoModelForCausalLM
+
+    script = tmp_path / "zero.py"
+    script.write_text(ZERO_SCRIPT)
+    port = str(29500 + (hash(str(tmp_path)) % 400))
+    result = subprocess.run([PYTHON, str(script), str(tiny_llama_dir), str(tmp_path), port],
+                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for run in ("zero2", "zero3", "zero2-lora"):
+        step_dir = tmp_path / run / "step_1"
+        assert (step_dir / "pytorch_model").is_dir() and not (step_dir / "model" / "model.safetensors").exists()
+        export(str(step_dir), str(tmp_path / f"{run}-out"), "hf", "f32")
+        expected = torch.load(tmp_path / run / "expected.pt", weights_only=True)
+        exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{run}-out"), dtype=torch.float32).eval()
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+        assert (logits(exported, expected["ids"]) - expected["logits"]).abs().max().item() <= 1e-5, run
+        assert (logits(base, expected["ids"]) - expected["logits"]).abs().max().item() > 1e-2, run  # it trained
