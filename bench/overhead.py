@@ -5,7 +5,7 @@ the same batches: the same micro-batches, built before the clock starts, the sam
 function (token_loss_sum over the step's trained tokens), then forward, backward, optimizer.step, zero_grad, and
 nothing else. The difference is what the loop adds: reading and collating the batch from the dataset, token
 counting and the cross-rank reduce, gradient clipping, the lr schedule, metrics.jsonl and the progress bar.
-Runs alternate, each in a fresh process; the table shows medians of trained tokens/s after WARMUP_STEPS steps.
+Runs alternate, each in a fresh process; it prints medians of trained tokens/s after the model's warm-up steps.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run_loop(kind: str, steps: int, out: Path, extra: list[str]) -> dict:
     loop.train_step = timed_train_step
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + ["eval_steps=1"] + extra))
-    rate, seconds, measured = harness.steady_rate(ends, trained)
+    rate, seconds, measured = harness.steady_rate(ends, trained, harness.MODELS[kind]["warmup"])
     return {"trained_tokens_per_s": rate, "seconds": seconds, "steps": measured, "trained_tokens": sum(trained)}
 
 
@@ -60,7 +60,8 @@ def run_bare(kind: str, steps: int, out: Path, extra: list[str]) -> dict:
     if config.lora:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            False)
-    sampler = StepSampler(len(train_ds), config.batch_size, seed=config.seed)
+    sampler = StepSampler(len(train_ds), config.batch_size, grad_accum=config.gradient_accumulation_steps,
+                          seed=config.seed)
     fetch = batch_fetcher(config.packing, config.max_length)
     steps_batches = [[fetch(train_ds, indices, tokenizer.pad_token_id) for indices in sampler.step_indices(s)]
                      for s in range(steps)]
@@ -78,7 +79,7 @@ def run_bare(kind: str, steps: int, out: Path, extra: list[str]) -> dict:
         optimizer.zero_grad(set_to_none=True)
         ends.append(time.perf_counter())
         trained.append(n_trained)
-    rate, seconds, measured = harness.steady_rate(ends, trained)
+    rate, seconds, measured = harness.steady_rate(ends, trained, harness.MODELS[kind]["warmup"])
     return {"trained_tokens_per_s": rate, "seconds": seconds, "steps": measured, "trained_tokens": sum(trained)}
 
 

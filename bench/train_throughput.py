@@ -1,7 +1,7 @@
 """Training throughput against named baselines, side by side: `python bench/train_throughput.py --model tiny-gptj`.
 
 Every row trains the same model on the same data (the Dolly sample, cleaned; the same 95/5 split), with the same
-effective batch (8 examples per optimiser step), the same number of optimiser steps, lr, schedule (cosine, no
+effective batch (8 examples per optimiser step; micro-batch and accumulation per model in harness.MODELS), the same number of optimiser steps, lr, schedule (cosine, no
 warmup), clipping and precision. The rows differ only in what they are named for:
 
   gpt4all      gpt4all-training's data path inside our loop: their tokenize_inputs re-implemented (prompt cut by
@@ -16,7 +16,7 @@ warmup), clipping and precision. The rows differ only in what they are named for
 
 Runs alternate (the order of rows rotates every repeat) and each is a fresh process; the table shows medians.
 Trained tokens/s counts the tokens the loss is taken on (response tokens), over the steps after the first
-WARMUP_STEPS. The final eval loss is computed the same way for every row, afterwards: our token-weighted loss of the
+the model's warm-up steps (harness.MODELS). The final eval loss is computed the same way for every row, afterwards: our token-weighted loss of the
 saved model on our tokenisation of the validation split, in fp32.
 """
 
@@ -123,7 +123,7 @@ def run_ours(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + OURS_EXTRA[variant]))
     peak = harness.peak_rss_mb()
-    return summarise(steps_log, started[0], peak, out / "final")
+    return summarise(steps_log, started[0], peak, out / "final", harness.MODELS[kind]["warmup"])
 
 
 def run_trl(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
@@ -148,8 +148,8 @@ def run_trl(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
 
         peft_config = LoraConfig(task_type="CAUSAL_LM", r=m["lora_r"], lora_alpha=m["lora_alpha"],
                                  lora_dropout=m["lora_dropout"], target_modules=m["lora_targets"])
-    settings = {"output_dir": str(out / "trl"), "per_device_train_batch_size": harness.BATCH_SIZE,
-                "gradient_accumulation_steps": 1, "max_steps": steps, "learning_rate": m["lr"],
+    settings = {"output_dir": str(out / "trl"), "per_device_train_batch_size": m["batch_size"],
+                "gradient_accumulation_steps": m["accumulation"], "max_steps": steps, "learning_rate": m["lr"],
                 "lr_scheduler_type": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0, "weight_decay": 0.0,
                 "bf16": m["dtype"] == "bfloat16", "save_strategy": "no", "report_to": "none",
                 "seed": harness.SEED, "use_cpu": True, "disable_tqdm": True}
@@ -183,18 +183,20 @@ def run_trl(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
     trainer.train()
     peak = harness.peak_rss_mb()
     trainer.save_model(str(out / "final"))
-    steps_log = [(t, *c) for t, c in zip(ends, counts)]  # batch i feeds step i (one micro-batch per step)
-    return summarise(steps_log, started[0], peak, out / "final")
+    per_step = [tuple(sum(c[k] for c in counts[i:i + m["accumulation"]]) for k in range(3))
+                for i in range(0, len(counts), m["accumulation"])]  # micro-batches in order, `accumulation` a step
+    steps_log = [(t, *c) for t, c in zip(ends, per_step)]
+    return summarise(steps_log, started[0], peak, out / "final", m["warmup"])
 
 
-def summarise(steps_log, started: float, peak_rss: float, final_dir: Path) -> dict[str, Any]:
+def summarise(steps_log, started: float, peak_rss: float, final_dir: Path, warmup: int) -> dict[str, Any]:
     times = [s[0] for s in steps_log]
     trained = [s[1] for s in steps_log]
-    rate, seconds, measured = harness.steady_rate(times, trained)
+    rate, seconds, measured = harness.steady_rate(times, trained, warmup)
     real = sum(s[2] for s in steps_log)
     padded = sum(s[3] for s in steps_log)
     return {"trained_tokens_per_s": rate, "measured_seconds": seconds, "measured_steps": measured,
-            "warmup_seconds": times[harness.WARMUP_STEPS - 1] - started, "steps": len(steps_log),
+            "warmup_seconds": times[warmup - 1] - started, "steps": len(steps_log),
             "trained_tokens": sum(trained), "tokens_processed": padded, "real_tokens": real,
             "padding_fraction": 1 - real / padded, "peak_rss_mb": peak_rss, "eval_loss": final_eval_loss(final_dir)}
 
@@ -211,7 +213,8 @@ def final_eval_loss(final_dir: Path) -> float:
     model = load_model(str(final_dir))
     _, val_raw = split_records(load_records(str(harness.clean_data())), 0.05, harness.SEED)
     val, _ = finish_split(tokenize_dataset(val_raw, tokenizer, harness.MAX_LENGTH, "plain", None))
-    return evaluate_loss(model, val, Accelerator(cpu=True), harness.BATCH_SIZE, tokenizer.pad_token_id)["val_loss"]
+    return evaluate_loss(model, val, Accelerator(cpu=True), harness.EVAL_BATCH_SIZE,
+                         tokenizer.pad_token_id)["val_loss"]
 
 
 def worker(variant: str, kind: str, steps: int, out: Path) -> None:
@@ -264,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(LABELS)}")
     harness.clean_data()
     harness.model_dir(args.model)
-    print(f"# {args.model}: {steps} steps x {harness.BATCH_SIZE} examples, {args.repeats} repeats; "
+    m = harness.MODELS[args.model]
+    print(f"# {args.model}: {steps} steps x {m['batch_size']} x {m['accumulation']} examples, {args.repeats} repeats; "
           f"{harness.machine()}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for repeat in range(args.repeats):

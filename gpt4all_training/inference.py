@@ -73,7 +73,7 @@ class InferenceConfig:
     batch_size: int = doc("Examples per forward pass, per process.", 8)
     pooling: str = doc("Embedding: 'last' (hidden state of the last real token) or 'mean' (over real tokens).",
                        "last")
-    output_dir: str = doc("Where inference.parquet and inference.json go.", "inference/run")
+    output_dir: str = doc("Where inference.parquet and inference.json go.", "ckpts/inference")
 
 
 def validate_inference(config: InferenceConfig) -> InferenceConfig:

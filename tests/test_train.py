@@ -14,6 +14,7 @@ from gpt4all_training.config import TrainConfig, validate
 from gpt4all_training.data import IGNORE, fetch_batch, load_data
 from gpt4all_training.tracking import read_metrics
 
+THRESHOLD_LORA = 0.1  # measured 0.061 after 40 steps (fp32, CPU)
 PAIRS = [("What is the capital of France?", "Paris."), ("Name a primary colour.", "Red."),
          ("What is two plus two?", "Four."), ("Say hello.", "Hello!"), ("Which animal barks?", "A dog."),
          ("What do bees make?", "Honey."), ("Opposite of hot?", "Cold."), ("Largest planet?", "Jupiter.")]
@@ -47,11 +48,23 @@ def full_run(tiny_model_dir, eight_examples, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_run(tiny_model_dir, eight_examples, tmp_path_factory):
+def rotated_examples(tmp_path_factory) -> Path:
+    """The same prompts with each answer moved to the next prompt: knowledge the full run's model must unlearn."""
+    folder = tmp_path_factory.mktemp("rotated")
+    answers = [r for _, r in PAIRS]
+    write_jsonl(folder / "pairs_clean.jsonl", [{"prompt": p, "response": answers[(i + 1) % 8], "source": "t"}
+                                               for i, (p, _) in enumerate(PAIRS)])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lora_run(full_run, rotated_examples, tmp_path_factory):
+    """LoRA on a trained base (the full run's final/): a random tiny model's frozen lm_head is too weak to overfit."""
     output = tmp_path_factory.mktemp("lora")
-    config = tiny_config(tiny_model_dir, eight_examples, output, lora=True, lora_r=8, lora_alpha=16, lora_dropout=0.0,
-                         lora_target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"],
-                         lr=2e-2, min_lr=2e-2, max_steps=60, merge_lora=True)
+    config = tiny_config(full_run[1] / "final", rotated_examples, output, lora=True, lora_r=8, lora_alpha=16,
+                         lora_dropout=0.0, lora_target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "fc_in",
+                                                                "fc_out"],
+                         lr=1e-2, min_lr=1e-2, max_steps=40, merge_lora=True)
     return run_train(config), output
 
 
@@ -71,8 +84,8 @@ def test_full_finetune_overfits_eight_examples(full_run):
 def test_lora_overfits_eight_examples(lora_run):
     summary, output = lora_run
     losses = [row["loss"] for row in read_metrics(output / "metrics.jsonl") if "loss" in row]
-    assert losses[0] > 6.0
-    assert losses[-1] < 1.0, losses[-5:]  # measured 0.3 at step 60 (q_proj/v_proj only, rank 8)
+    assert losses[0] > 1.0  # measured 1.16: the base answers with the old mapping (the "." and EOS still fit)
+    assert losses[-1] < THRESHOLD_LORA, losses[-5:]
     adapter = json.loads((output / "final" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["fc_in", "fc_out", "k_proj", "out_proj", "q_proj", "v_proj"]
 
@@ -152,14 +165,15 @@ def test_saved_final_gives_the_in_memory_logits(tiny_model_dir, tokenizer, eight
     assert (expected - AutoModelForCausalLM.from_pretrained(tiny_model_dir)(**inputs).logits).abs().max() > 1e-3
 
 
-def test_merged_lora_from_training_matches_adapter(lora_run, tiny_model_dir, tokenizer, eight_examples):
+def test_merged_lora_from_training_matches_adapter(lora_run, full_run, tiny_model_dir, tokenizer, eight_examples):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     _, output = lora_run
     _, batch = training_batch(tokenizer, tiny_model_dir, eight_examples, list(range(8)))
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), output / "final")
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(full_run[1] / "final"),
+                                        output / "final")
     merged = AutoModelForCausalLM.from_pretrained(output / "final" / "merged")
     with torch.no_grad():
         difference = (adapter.eval()(**inputs).logits - merged.eval()(**inputs).logits).abs().max()
