@@ -35,7 +35,7 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	@mkdir -p $(TMPDIR)
-	$(PY) -m demo.run
+	PYTHONUNBUFFERED=1 $(PY) -m demo.run
 
 clean-cache:
 	rm -rf $(CACHE)

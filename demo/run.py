@@ -75,6 +75,9 @@ def main() -> None:
 
     step(f"3. base model accuracy: {base.name}", started)
     tokenizer = load_tokenizer(str(base))
+    # Reading a GGUF's 49k-token vocabulary is slow in Python: do it once, then load the saved copy.
+    tokenizer_dir = out / "base_tokenizer"
+    tokenizer.save_pretrained(tokenizer_dir)
     model = load_model(str(base))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         before, before_answers = accuracy(model, tokenizer, test)
@@ -83,8 +86,8 @@ def main() -> None:
     gc.collect()
 
     step("4. fine-tuning with LoRA (bf16 autocast)", started)
-    config = load_config("demo/config.yaml", [f"model_name={base}", f"dataset_path={out / 'clean'}",
-                                              f"output_dir={out / 'run'}"])
+    config = load_config("demo/config.yaml", [f"model_name={base}", f"tokenizer_name={tokenizer_dir}",
+                                              f"dataset_path={out / 'clean'}", f"output_dir={out / 'run'}"])
     summary = train(config)
     merged = out / "run" / "final" / "merged"
 
@@ -102,7 +105,8 @@ def main() -> None:
     step("6. inference over the training data, before and after, and the map", started)
     runs = {}
     for name, model_name in (("before", str(base)), ("after", str(merged))):
-        inference = InferenceConfig(model_name=model_name, tokenizer_name=str(base), dataset_path=str(out / "clean"),
+        inference = InferenceConfig(model_name=model_name, tokenizer_name=str(tokenizer_dir),
+                                    dataset_path=str(out / "clean"),
                                     seed=config.seed, val_fraction=config.val_fraction,
                                     max_length=config.max_length, prompt_template="chat", batch_size=16,
                                     output_dir=str(out / "inference" / name))

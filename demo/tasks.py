@@ -11,7 +11,10 @@ import random
 from pathlib import Path
 
 WORDS = ("apple", "river", "garden", "planet", "window", "silver", "dragon", "pencil", "forest", "castle",
-         "rocket", "violin", "marble", "harbor", "lantern", "meadow", "tiger", "cookie", "bridge", "summer")
+         "rocket", "violin", "marble", "harbor", "lantern", "meadow", "tiger", "cookie", "bridge", "summer",
+         "candle", "wizard", "pocket", "island", "mirror", "basket", "jungle", "copper", "turtle", "winter",
+         "guitar", "falcon", "carpet", "button", "orange", "canyon", "pillow", "rabbit", "helmet", "velvet",
+         "sunset", "kitten", "ladder", "anchor", "puzzle", "shadow", "thunder", "crystal", "blanket", "compass")
 UNITS = (("km", "m", 1000), ("m", "cm", 100), ("kg", "g", 1000), ("hours", "minutes", 60), ("minutes", "seconds", 60),
          ("liters", "milliliters", 1000))
 
@@ -26,7 +29,7 @@ def arithmetic(rng: random.Random) -> tuple[str, str]:
 
 def unit_conversion(rng: random.Random) -> tuple[str, str]:
     big, small, factor = rng.choice(UNITS)
-    n = rng.randint(2, 9)
+    n = rng.randint(2, 40)
     return f"Convert {n} {big} to {small}. Answer with the number only.", str(n * factor)
 
 
@@ -46,28 +49,28 @@ TASKS = {"arithmetic": arithmetic, "unit_conversion": unit_conversion, "reverse_
          "sort_numbers": sort_numbers}
 
 
-def make_records(n: int, seed: int) -> list[dict[str, str]]:
-    """`n` records cycling through the task families, reproducible from `seed`."""
+def make_records(seed: int):
+    """An endless stream of records cycling through the task families, reproducible from `seed`."""
     rng = random.Random(seed)
     names = list(TASKS)
-    records = []
-    for i in range(n):
+    i = 0
+    while True:
         name = names[i % len(names)]
         prompt, answer = TASKS[name](rng)
-        records.append({"prompt": prompt, "response": answer, "source": name})
-    return records
+        yield {"prompt": prompt, "response": answer, "source": name}
+        i += 1
 
 
 def write_splits(out_dir: Path, n_train: int, n_test: int, seed: int) -> tuple[Path, Path]:
-    """raw/train.jsonl and raw/test.jsonl; test prompts never appear in train."""
-    records = make_records(n_train + n_test + n_test // 2, seed)
+    """raw/train.jsonl and raw/test.jsonl with distinct prompts: no test prompt appears in train."""
     test, train, seen = [], [], set()
-    for record in records:
-        if len(test) < n_test and record["prompt"] not in seen:
-            test.append(record)
-            seen.add(record["prompt"])
-        elif record["prompt"] not in seen and len(train) < n_train:
-            train.append(record)
+    for record in make_records(seed):
+        if len(test) == n_test and len(train) == n_train:
+            break
+        if record["prompt"] in seen:
+            continue
+        seen.add(record["prompt"])
+        (test if len(test) < n_test else train).append(record)
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     paths = raw / "train.jsonl", raw / "test.jsonl"

@@ -231,7 +231,8 @@ def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, stat
             os.replace(tmp, folder)
             fsync_dir(folder.parent)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
-        shutil.rmtree(tmp, ignore_errors=True)
+        if accelerator.is_main_process:  # the one writer of the folder; a later rotate() sweeps what remains
+            shutil.rmtree(tmp, ignore_errors=True)
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise TrainingError(f"step {state['step']}: could not write checkpoint {folder} ({reason}); "
                             f"{previous_checkpoint_note(folder.parent)}. Free disk space, then rerun with "

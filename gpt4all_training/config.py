@@ -66,6 +66,11 @@ class TrainConfig:
     lr: float = doc("Peak learning rate.", 2.0e-5)
     min_lr: float = doc("Learning rate at the last step (cosine ends here).", 0.0)
     warmup_steps: int = doc("Linear warmup length in optimiser steps.", 100)
+    lr_schedule: str = doc("'cosine': warmup, then cosine to min_lr at the last step. 'gpt3' (mesh-transformer-jax): "
+                           "warmup, then a half-cosine to end_lr over anneal_steps, then end_lr.", "cosine")
+    anneal_steps: Optional[int] = doc("gpt3 schedule: optimiser steps of the half-cosine after warmup (required "
+                                      "for gpt3; `plan` suggests one).")
+    end_lr: float = doc("gpt3 schedule: the learning rate after annealing, kept until the run ends.", 0.0)
     weight_decay: float = doc("Decoupled weight decay; biases, norms and embeddings are exempt.", 0.0)
     max_grad_norm: Optional[float] = doc("Clip the global gradient norm to this; unset disables clipping.", 1.0)
     num_epochs: int = doc("Passes over the training data.", 1)
@@ -184,6 +189,10 @@ def validate(config: TrainConfig) -> TrainConfig:
         ("gradient_accumulation_steps", c.gradient_accumulation_steps >= 1, "must be at least 1"),
         ("num_epochs", c.num_epochs >= 1, "must be at least 1"),
         ("warmup_steps", c.warmup_steps >= 0, "must be >= 0"),
+        ("lr_schedule", c.lr_schedule in ("cosine", "gpt3"), "must be 'cosine' or 'gpt3'"),
+        ("anneal_steps", c.anneal_steps is not None and c.anneal_steps >= 1 if c.lr_schedule == "gpt3"
+         else c.anneal_steps is None or c.anneal_steps >= 1, "must be at least 1 (lr_schedule: gpt3 needs it)"),
+        ("end_lr", 0 <= c.end_lr <= c.lr, f"must be between 0 and lr ({c.lr})"),
         ("weight_decay", c.weight_decay >= 0, "must be >= 0"),
         ("val_fraction", 0 <= c.val_fraction < 1, "must be in [0, 1)"),
         ("num_proc", c.num_proc >= 1, "must be at least 1"),

@@ -1,8 +1,17 @@
-"""Learning rate as a pure function of the optimiser step."""
+"""Learning rate as a pure function of the optimiser step.
+
+`step` counts optimiser steps taken so far: the lr used for step 0 is the first warmup value, so no step trains at
+lr 0. Two shapes:
+- `cosine` (the default): linear warmup, then cosine down to exactly `min_lr` at the run's last step;
+- `gpt3` (mesh-transformer-jax's schedule): linear warmup, then a half-cosine from `lr` to `end_lr` over
+  `anneal_steps`, then `end_lr` until the run ends, however long it is.
+"""
 
 from __future__ import annotations
 
 import math
+
+SCHEDULES = ("cosine", "gpt3")
 
 
 def cosine_with_min_lr(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -19,3 +28,25 @@ def cosine_with_min_lr(step: int, lr: float, min_lr: float, warmup_steps: int, t
         return lr
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def gpt3_schedule(step: int, lr: float, end_lr: float, warmup_steps: int, anneal_steps: int) -> float:
+    """mesh-transformer-jax's GPT-3 schedule: warmup to `lr`, half-cosine to `end_lr` over `anneal_steps`, then flat.
+
+    Step `warmup_steps - 1` and step `warmup_steps` both use `lr`; step `warmup_steps + anneal_steps` and every
+    later one use `end_lr`. Unlike `cosine`, the shape does not depend on the run's length: a longer run simply
+    stays at `end_lr` for longer (mesh-transformer-jax's `total_steps` was the anneal length, not the run length).
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if anneal_steps <= 0:
+        return end_lr
+    progress = min(1.0, (step - warmup_steps) / anneal_steps)
+    return end_lr + (lr - end_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def learning_rate(step: int, config, total_steps: int) -> float:
+    """The lr of optimiser step `step` under `config.lr_schedule`: the one function the loop and `plan` both use."""
+    if getattr(config, "lr_schedule", "cosine") == "gpt3":
+        return gpt3_schedule(step, config.lr, config.end_lr, config.warmup_steps, config.anneal_steps)
+    return cosine_with_min_lr(step, config.lr, config.min_lr, config.warmup_steps, total_steps)

@@ -1,20 +1,52 @@
-"""Byte-level BPE tokenizer training: every byte is in the initial alphabet, so no text is ever unknown."""
+"""Byte-level BPE tokenizer training: every byte is in the initial alphabet, so no text is ever unknown.
+
+`gpt4all-training tokenizer --config configs/tokenizer/x.yaml [key=value ...]` (or `python -m
+gpt4all_training.tokenizer ...`) streams a dataset's text field (local JSONL, or a Hub dataset at a pinned
+revision), trains the tokenizer, saves it with `save_pretrained` (so `AutoTokenizer.from_pretrained(dir)` loads
+it) and prints its statistics on held-out records: fertility, the share of words split into pieces, and for code
+whether the language's keywords and indentation runs are single tokens.
+
+Indentation. GPT-2's pre-tokenizer glues a newline to the spaces after it and gives the last space to the next
+word ("\\n    if" becomes "\\n   " and " if"), so four spaces can never become one token. With `split_indentation` a
+line's leading spaces and tabs are a piece of their own first; BPE can then learn "    " as one token. Both ways
+round-trip every text exactly: pre-tokenization only decides where merges may happen.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+import argparse
+import json
+import keyword
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from .config import doc, load_config
+from .errors import UserError
+
 EOS = "<|endoftext|>"
+# A line's leading run of spaces and tabs (after a newline): isolated before the byte-level split.
+INDENTATION = Regex(r"(?<=\n)[ \t]+")
+CODE_KEYWORDS = {"python": tuple(keyword.kwlist)}
+INDENTATION_RUNS = {"2 spaces": "  ", "4 spaces": " " * 4, "8 spaces": " " * 8, "12 spaces": " " * 12,
+                    "1 tab": "\t", "2 tabs": "\t\t"}
+# Held-out records for the statistics are every HELDOUT_STRIDE-th record, so they spread over the whole stream.
+HELDOUT_STRIDE = 10
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1000, min_frequency: int = 2,
-                        special_tokens: tuple[str, ...] = (EOS,)) -> PreTrainedTokenizerFast:
+                        special_tokens: tuple[str, ...] = (EOS,),
+                        split_indentation: bool = False) -> PreTrainedTokenizerFast:
     """Train a GPT-2-style byte-level BPE on `texts`. The first special token is EOS."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_indentation:
+        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(INDENTATION, behavior="isolated"), byte_level])
+    tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
@@ -23,4 +55,177 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1000, min_freque
     tokenizer.train_from_iterator(texts, trainer=trainer)
     eos = special_tokens[0]
     # Like GPT-J's tokenizer: bos = eos = unk, no pad token (loading sets pad = eos, the case gpt4all got wrong).
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, unk_token=eos)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, unk_token=eos,
+                                   clean_up_tokenization_spaces=False)
+
+
+# ---------------------------------------------------------------- the command's config
+
+@dataclass
+class TokenizerConfig:
+    dataset_path: Optional[str] = doc("Local JSONL file, a folder of *.jsonl, or a Hub dataset id (streamed). "
+                                      "Required.")
+    revision: Optional[str] = doc("Hub revision (commit, tag or branch) of the dataset; pin it for a reproducible "
+                                  "tokenizer.")
+    split: str = doc("Split of a Hub dataset.", "train")
+    text_field: Optional[str] = doc("Field holding the text; unset: 'text', else 'content'.")
+    max_examples: Optional[int] = doc("Train on at most this many records; unset: all of them.")
+    vocab_size: int = doc("Vocabulary size, special tokens and the 256 byte tokens included.", 32768)
+    min_frequency: int = doc("A pair is merged only if it occurs at least this often.", 2)
+    special_tokens: list[str] = doc("Special tokens; the first is EOS (and BOS and UNK, as GPT-2's).",
+                                    factory=lambda: [EOS])
+    split_indentation: bool = doc("Make a line's leading spaces/tabs a piece of their own, so indentation runs "
+                                  "can become single tokens (for code). Text still round-trips exactly.", True)
+    code_language: Optional[str] = doc("For code: 'python' also reports whether its keywords and common "
+                                       "indentation runs are single tokens.")
+    heldout_size: int = doc(f"Records held out of training for the statistics (every {HELDOUT_STRIDE}th record, "
+                            f"up to this many); 0: no statistics.", 200)
+    output_dir: str = doc("Folder the tokenizer is saved to (save_pretrained).", "tokenizers/bpe")
+
+
+def validate_tokenizer_config(c: TokenizerConfig) -> TokenizerConfig:
+    if not c.dataset_path:
+        raise UserError("dataset_path: missing; set it in the config or as dataset_path=...")
+    checks = [
+        ("vocab_size", c.vocab_size >= 256 + len(c.special_tokens),
+         f"must be at least 256 + {len(c.special_tokens)} (the byte alphabet and the special tokens)"),
+        ("min_frequency", c.min_frequency >= 1, "must be at least 1"),
+        ("special_tokens", len(c.special_tokens) >= 1 and all(c.special_tokens),
+         "needs at least one non-empty token (the first is EOS)"),
+        ("code_language", c.code_language in (None, *CODE_KEYWORDS), f"must be one of {', '.join(CODE_KEYWORDS)}"),
+        ("heldout_size", c.heldout_size >= 0, "must be >= 0"),
+        ("max_examples", c.max_examples is None or c.max_examples >= 1, "must be at least 1 (or unset)"),
+    ]
+    for key, ok, message in checks:
+        if not ok:
+            raise UserError(f"{key}: {message}, got {getattr(c, key)!r}")
+    return c
+
+
+# ---------------------------------------------------------------- data
+
+class HeldOut:
+    """Splits a text stream: every HELDOUT_STRIDE-th text (up to `size`) is kept aside, the rest passes through."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.texts: list[str] = []
+
+    def training_texts(self, texts: Iterable[str]) -> Iterator[str]:
+        for number, text in enumerate(texts):
+            if len(self.texts) < self.size and number % HELDOUT_STRIDE == 0:
+                self.texts.append(text)
+            elif text:
+                yield text
+
+
+# ---------------------------------------------------------------- statistics
+
+def single_token(tokenizer, text: str, context: tuple[str, str]) -> bool:
+    """Whether `text`, written between `context[0]` and `context[1]`, is exactly one of the encoded tokens."""
+    before, after = context
+    ids = tokenizer.encode(before + text + after, add_special_tokens=False)
+    pieces = [tokenizer.decode([i], clean_up_tokenization_spaces=False) for i in ids]
+    return text in pieces
+
+
+def words_of(tokenizer, text: str) -> list[str]:
+    """The pre-tokenizer's pieces of `text` that hold a letter or digit: what the statistics call words."""
+    pre_tokenizer = tokenizer.backend_tokenizer.pre_tokenizer
+    if pre_tokenizer is None:
+        return [w for w in text.split() if any(ch.isalnum() for ch in w)]
+    pieces = pre_tokenizer.pre_tokenize_str(text)
+    return [piece for piece, (start, end) in pieces if any(ch.isalnum() for ch in text[start:end])]
+
+
+@dataclass
+class TokenizerStats:
+    texts: int
+    tokens: int
+    words: int
+    fertility: float  # tokens per word
+    split_share: float  # words that became 2+ tokens
+    keywords_line_start: Optional[dict[str, bool]] = None  # `if` at the start of a line: one token?
+    keywords_after_space: Optional[dict[str, bool]] = None  # ` if` after a space: one token?
+    indentation: Optional[dict[str, bool]] = None  # a line's indentation run: one token?
+
+    def describe(self) -> str:
+        lines = [f"held-out sample: {self.texts} texts, {self.words:,} words, {self.tokens:,} tokens",
+                 f"fertility: {self.fertility:.3f} tokens per word (words: pre-tokenizer pieces with a letter or "
+                 f"digit)",
+                 f"words split into 2+ tokens: {100 * self.split_share:.1f}%"]
+        for name, table in (("keywords at line start", self.keywords_line_start),
+                            ("keywords after a space", self.keywords_after_space)):
+            if table is not None:
+                missing = [k for k, single in table.items() if not single]
+                lines.append(f"{name} that are one token: {len(table) - len(missing)}/{len(table)}"
+                             + (f" (not: {', '.join(missing)})" if missing else ""))
+        if self.indentation is not None:
+            lines.append("indentation runs that are one token: "
+                         + ", ".join(f"{name} {'yes' if single else 'no'}" for name, single in self.indentation.items()))
+        return "\n".join(lines)
+
+
+def tokenizer_stats(tokenizer, texts: list[str], code_language: Optional[str] = None) -> TokenizerStats:
+    """Fertility and split share over `texts`; with a code language, its keywords and indentation runs."""
+    model = tokenizer.backend_tokenizer.model
+    n_tokens = n_words = n_split = 0
+    for text in texts:
+        n_tokens += len(tokenizer.encode(text, add_special_tokens=False))
+        for word in words_of(tokenizer, text):
+            n_words += 1
+            n_split += len(model.tokenize(word)) >= 2
+    stats = TokenizerStats(texts=len(texts), tokens=n_tokens, words=n_words, fertility=n_tokens / max(n_words, 1),
+                           split_share=n_split / max(n_words, 1))
+    if code_language:
+        keywords = CODE_KEYWORDS[code_language]
+        stats.keywords_line_start = {k: single_token(tokenizer, k, ("x\n", " y")) for k in keywords}
+        stats.keywords_after_space = {k: single_token(tokenizer, " " + k, ("x", " y")) for k in keywords}
+        stats.indentation = {name: single_token(tokenizer, run, ("x:\n", "y")) for name, run in INDENTATION_RUNS.items()}
+    return stats
+
+
+# ---------------------------------------------------------------- the command
+
+def build_tokenizer(config: TokenizerConfig) -> tuple[PreTrainedTokenizerFast, Optional[TokenizerStats]]:
+    """Train on the configured stream (held-out records excluded) and measure on the held-out records."""
+    from .pretrain_data import iter_texts
+
+    held_out = HeldOut(config.heldout_size)
+    texts = held_out.training_texts(iter_texts(config.dataset_path, config.revision, config.text_field,
+                                               config.split))
+    if config.max_examples:
+        texts = islice(texts, config.max_examples)
+    tokenizer = train_bpe_tokenizer(texts, config.vocab_size, config.min_frequency, tuple(config.special_tokens),
+                                    config.split_indentation)
+    if tokenizer.vocab_size <= 256 + len(config.special_tokens):
+        raise UserError(f"dataset_path {config.dataset_path}: no text to learn merges from (check text_field)")
+    sample = [t for t in held_out.texts if t]
+    stats = tokenizer_stats(tokenizer, sample, config.code_language) if sample else None
+    return tokenizer, stats
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="tokenizer config YAML (see configs/tokenizer/)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. vocab_size=8192")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides, cls=TokenizerConfig, check=validate_tokenizer_config)
+    tokenizer, stats = build_tokenizer(config)
+    output_dir = Path(config.output_dir)
+    tokenizer.save_pretrained(output_dir)
+    print(f"tokenizer: {tokenizer.vocab_size:,} tokens, saved to {output_dir} "
+          f"(load with AutoTokenizer.from_pretrained('{output_dir}'))")
+    if stats is None:
+        print("statistics: no held-out records (heldout_size: 0, or too little data)")
+        return 0
+    (output_dir / "tokenizer_stats.json").write_text(json.dumps(asdict(stats), indent=1), encoding="utf-8")
+    print(stats.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import run_as_script
+
+    run_as_script("tokenizer")

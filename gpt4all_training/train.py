@@ -32,7 +32,7 @@ from .modeling import apply_lora, count_parameters, load_model, load_tokenizer, 
 from .packing import batch_fetcher, check_isolation
 from .report import write_report
 from .sampler import StepSampler
-from .schedule import cosine_with_min_lr
+from .schedule import learning_rate
 from .tracking import Tracker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,7 +45,7 @@ def total_optimizer_steps(steps_per_epoch: int, num_epochs: int, max_steps: int 
 
 
 def lr_factor(step: int, config: TrainConfig, total_steps: int) -> float:
-    return cosine_with_min_lr(step, config.lr, config.min_lr, config.warmup_steps, total_steps) / config.lr
+    return learning_rate(step, config, total_steps) / config.lr
 
 
 def peak_rss_mb() -> float:
@@ -213,7 +213,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         tracker.close()
         log(f"stopped by {stop.signal_name} after step {state['step']}; its checkpoint is in {output_dir}; "
             f"rerun with resume=auto to continue")
-        accelerator.end_training()
+        finish(accelerator, stop.exit_code)  # multi-process ZeRO-3 exits here with the signal's code
         return {"steps": state["step"], "trained_tokens": state["trained_tokens"], "exit_code": stop.exit_code}
 
     # --- the end ---

@@ -25,28 +25,37 @@ ACCELERATE = str(Path(PYTHON).with_name("accelerate"))
 ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
 DEEPSPEED_CONFIGS = REPO / "configs" / "deepspeed"
 IGNORE = -100
-# Tolerances of 2-process runs against the 1-process reference (fp32, 8 AdamW steps; measured with this code on
-# the tiny GPT-J, see the report). Correct runs differ only in the order the ranks' gradients are summed.
-#   per-step loss: <= 1.1e-6 apart                                  -> LOSS_ATOL 1e-5
-#   gradient norm: <= 6.6e-7 relative                               -> GRAD_NORM_RTOL 1e-5 (dropping the x world
-#                                                                       size factor halves it)
-#   full weights:  ||w - w_ref|| / ||w_ref - w_init||, worst tensor  -> UPDATE_RTOL 1e-3
-#                  correct <= 7.5e-5; a loss without the x world-size factor 7e-2, a per-rank token mean 2.7e-1.
-#   LoRA adapters: max |w - w_ref| <= 5.2e-7                         -> WEIGHT_ATOL 5e-5
-# The full weights are compared relative to how far training moved them, not with one absolute bound: an embedding
-# row whose gradient is a near-cancelling sum is divided by that sum's magnitude in Adam, so summation order alone
-# moves that one row by up to ~8e-5 (lr 3e-3) while every other entry agrees to ~1e-6.
+# Tolerances of 2-process runs against the 1-process reference (fp32, 8 AdamW steps, lr 3e-3 full / 3e-2 LoRA,
+# weight decay 1.0), measured with this code on the tiny GPT-J. Correct runs differ only in the order the ranks'
+# gradients are summed (and, with offload, DeepSpeed's CPU Adam in place of torch's); the "wrong" columns are the
+# same launches with the loss normalisation broken on purpose (no x world-size factor; a per-rank token mean).
+#                                          correct (worst)           wrong (best)   tolerance
+#   per-step loss, absolute                6.6e-7                    4.8e-3         LOSS_ATOL 1e-5
+#   gradient norm, relative                4.6e-6 (offload)          3.9e-2         GRAD_NORM_RTOL 1e-4
+#   full weights, ||w - w_ref|| / ||w_ref - w_init||, worst tensor
+#                                          1.6e-4 (ZeRO-3)           6.0e-2         UPDATE_RTOL 1e-3
+#   LoRA adapters, max |w - w_ref|         1.2e-5 (offload)          4.0e-2         WEIGHT_ATOL 1e-4
+# Full weights are compared relative to how far training moved them, not with one absolute bound: an embedding row
+# whose gradient is a near-cancelling sum is divided by that sum's magnitude in Adam, so summation order alone moves
+# such a row by up to 1.6e-4 (5 rows of 1000 under ZeRO-3) while every other tensor agrees within 7.4e-6.
 LOSS_ATOL = 1e-5
-GRAD_NORM_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-4
 UPDATE_RTOL = 1e-3
-WEIGHT_ATOL = 5e-5
-# final/ reloaded against the validation loss the in-memory model measured at the last step (~1100 tokens): the same
-# weights, batched differently, agree to ~1e-7.
+WEIGHT_ATOL = 1e-4
+# final/ reloaded against the validation loss the in-memory model measured at the last step: the same weights,
+# batched differently, agree within 1.2e-7.
 VAL_LOSS_ATOL = 1e-5
+# final/'s logits against the 1-process model's: within 2.0e-5 (ZeRO-3's embedding rows); a wrong normalisation
+# moves weights by ~1e-2.
+LOGITS_ATOL = 1e-4
 
 # Variables a launcher sets for its children; inherited from an outer launch they would confuse the inner one.
 LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+# Wall seconds of each launch in this session, by output folder name, for the terminal summary.
+LAUNCH_SECONDS: dict[str, float] = {}
 
 
 @dataclass
@@ -110,6 +119,7 @@ def launch(commands: list[list[str]], output_dir: Path, timeout: float = 1200) -
             if process.poll() is None:
                 process.kill()
     seconds = time.perf_counter() - start
+    LAUNCH_SECONDS[output_dir.name] = seconds
     text = "\n".join(log.read_text(errors="replace") for log in logs)
     assert codes == [0] * len(commands), f"exit codes {codes} for {commands}\n{text[-6000:]}"
     return Run(output_dir, text, seconds)

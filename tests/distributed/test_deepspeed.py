@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .runs import (VAL_LOSS_ATOL, assert_same_training, load_final, logits_of, max_difference, validation_loss,
-                   weights)
+from .runs import (LOGITS_ATOL, VAL_LOSS_ATOL, assert_same_training, load_final, logits_of, max_difference,
+                   validation_loss, weights)
 
 FULL_RUNS = ["ddp_run", "zero2_run", "zero3_run"]
 LORA_RUNS = ["offload_lora_run", "zero3_lora_run"]
@@ -77,7 +77,7 @@ def test_final_gives_the_logits_of_the_one_process_model(request, run_name, refe
     indices = [0, 1, 2, 3]
     got = logits_of(load_final(request.getfixturevalue(run_name).final), val_ds, pad_id, indices)
     want = logits_of(load_final(request.getfixturevalue(reference_name).final), val_ds, pad_id, indices)
-    assert (got - want).abs().max().item() < 1e-4
+    assert (got - want).abs().max().item() < LOGITS_ATOL
 
 
 @pytest.mark.parametrize("run_name", LORA_RUNS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,8 +18,6 @@ RUNNER = Path(__file__).with_name("crash_runner.py")
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
 ACCELERATE = str(Path(PYTHON).parent / "accelerate")
 ZERO2 = REPO / "configs" / "deepspeed" / "ds_config.json"
-# What a training row must repeat exactly after a resume (timings and memory legitimately differ).
-EXACT_KEYS = ("step", "loss", "lr", "grad_norm", "trained_tokens", "epoch")
 
 
 # Exec the command with RLIMIT_FSIZE set: a write past the limit then fails with EFBIG ("File too large"), like a
@@ -37,7 +36,7 @@ def run_train(config: Path, output_dir: Path, *overrides: str, crash: str | None
     launcher = [TORCHRUN, "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else [PYTHON]
     if deepspeed:
         launcher = [ACCELERATE, "launch", "--use_deepspeed", f"--num_processes={processes}",
-                    f"--deepspeed_config_file={ZERO2}"]
+                    f"--main_process_port={free_port()}", f"--deepspeed_config_file={ZERO2}"]
     if max_file_bytes:
         launcher = [PYTHON, "-c", LIMIT_FILE_SIZE, str(max_file_bytes), *launcher]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
@@ -45,6 +44,13 @@ def run_train(config: Path, output_dir: Path, *overrides: str, crash: str | None
         full_env["CRASH_AT"] = crash
     return subprocess.run([*launcher, script, "--config", str(config), f"output_dir={output_dir}", *overrides],
                           cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A port nobody listens on now (accelerate launch defaults to 29500, which a concurrent launch may hold)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def explain(result: subprocess.CompletedProcess) -> str:
@@ -56,14 +62,10 @@ def metrics(output_dir: Path) -> list[dict]:
 
 
 def exact_rows(output_dir: Path) -> list[dict]:
-    """The rows a resumed run must reproduce bit for bit: training rows without timings, and validation rows."""
-    rows = []
-    for row in metrics(output_dir):
-        if "loss" in row:
-            rows.append({k: row[k] for k in EXACT_KEYS})
-        else:
-            rows.append({k: row[k] for k in ("step", "val_loss", "val_tokens")})
-    return rows
+    """Every logged row, less what measures the machine rather than the training (speeds and memory peaks):
+    the losses, lr, gradient norms, token counts and validation results a resumed run must repeat bit for bit."""
+    return [{k: v for k, v in row.items() if not (k.endswith("_per_s") or k.startswith("peak_"))}
+            for row in metrics(output_dir)]
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:

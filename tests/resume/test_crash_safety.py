@@ -112,3 +112,14 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_pushes_nothin
     resumed = run_train(resume_config, out, "resume=auto")
     assert resumed.returncode == 0, explain(resumed)
     assert_same_run(out, reference, TOTAL_STEPS)
+
+
+def test_resume_takes_auto_or_nothing(resume_config):
+    from gpt4all_training.config import load_config
+
+    assert load_config(resume_config, ["resume=auto", "keep_every=100"]).resume == "auto"
+    assert load_config(resume_config).resume is None
+    with pytest.raises(UserError, match="^resume: must be 'auto' or unset; to resume from a folder use checkpoint="):
+        load_config(resume_config, ["resume=step_8"])
+    with pytest.raises(UserError, match="^keep_every: must be at least 1"):
+        load_config(resume_config, ["keep_every=0"])

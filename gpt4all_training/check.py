@@ -1,0 +1,399 @@
+"""`gpt4all-training check --config c.yaml [key=value ...]`: pre-flight checks before a long run.
+
+Each check prints one line: `ok    what: detail`, or `FAIL  what: what to fix`. The checks are the mistakes that
+otherwise surface hours into a run, or never: an invalid config, a dataset line without its fields, a tokenizer
+from another model (ids past the embedding, or another EOS), a checkpoint folder given as model_name, an
+output_dir that cannot take a checkpoint, a tracker that is not installed, a max_length or batch that cannot fit.
+Last, a 2-step dry run of the real `train()` on 2 examples, in a temporary output_dir, measures tokens/s and peak
+memory. Exit code 0 when everything passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import io
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from .errors import TrainingError, UserError
+
+GIB = 2**30
+TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard"}
+FINETUNE_FIELDS = ("prompt", "response")
+DRY_RUN_EXAMPLES = 2
+DRY_RUN_STEPS = 2
+
+
+@dataclass
+class Outcome:
+    name: str
+    ok: bool
+    message: str
+
+    def line(self) -> str:
+        return f"{'ok  ' if self.ok else 'FAIL'}  {self.name}: {self.message}"
+
+
+def passed(name: str, message: str) -> Outcome:
+    return Outcome(name, True, message)
+
+
+def failed(name: str, message: str) -> Outcome:
+    return Outcome(name, False, message)
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+
+
+# ---------------------------------------------------------------- config
+
+def check_config(path: Optional[str], overrides: list[str]) -> tuple[Any, list[Outcome]]:
+    """The config, typed; validation failures are reported but the other checks still run on it."""
+    from .config import load_config, validate
+
+    try:
+        config = load_config(path, overrides, check=None)
+    except UserError as exc:
+        return None, [failed("config", str(exc))]
+    try:
+        validate(config)
+    except UserError as exc:
+        return config, [failed("config", str(exc))]
+    return config, [passed("config", f"{path} is valid")]
+
+
+# ---------------------------------------------------------------- dataset
+
+def is_pretraining(config) -> bool:
+    return getattr(config, "objective", "sft") == "causal_lm"
+
+
+def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) of prompt/response data: local *_clean.jsonl line by line, or a Hub dataset's rows."""
+    from .data import load_records, local_data_files
+    from .pretrain_data import iter_records
+
+    path = Path(dataset_path).expanduser()
+    files = local_data_files(path)
+    if path.is_dir() and files is None:
+        raise UserError(f"dataset_path {dataset_path}: no *_clean.jsonl files in the folder; run clean.py on the raw "
+                        f"data first")
+    if files is not None:
+        for file in files:
+            yield from iter_records(file)
+        return
+    for number, record in enumerate(load_records(dataset_path)):  # a Hub id (raises a one-line UserError)
+        yield f"{dataset_path} record {number}", record
+
+
+def record_problem(record: dict[str, Any], fields: tuple[str, ...]) -> Optional[str]:
+    for name in fields:
+        if name not in record:
+            present = ", ".join(map(str, record)) or "none"
+            return f"no {name!r} field (fields: {present}); run clean.py on the raw data first"
+        if not isinstance(record[name], str):
+            return f"field {name!r} is {type(record[name]).__name__}, not text"
+    return None
+
+
+def check_dataset(config) -> tuple[Outcome, list[dict[str, Any]]]:
+    """Every record has the fields training reads; returns the first DRY_RUN_EXAMPLES records for the dry run."""
+    from .pretrain_data import iter_records, record_text
+
+    if not config.dataset_path:
+        return failed("dataset", "dataset_path is not set"), []
+    sample: list[dict[str, Any]] = []
+    count = 0
+    try:
+        if is_pretraining(config):
+            text_field = getattr(config, "text_field", None)
+            for where, record in iter_records(config.dataset_path, config.revision):
+                text = record_text(where, record, text_field)
+                count += 1
+                if len(sample) < DRY_RUN_EXAMPLES and text:
+                    sample.append({"text": text})
+            fields = text_field or "text/content"
+        else:
+            for where, record in finetune_records(config.dataset_path):
+                problem = record_problem(record, FINETUNE_FIELDS)
+                if problem:
+                    return failed("dataset", f"{where}: {problem}"), []
+                count += 1
+                if len(sample) < DRY_RUN_EXAMPLES and record["response"]:
+                    sample.append({"prompt": record["prompt"], "response": record["response"], "source": "check"})
+            fields = "prompt, response"
+    except UserError as exc:
+        return failed("dataset", str(exc)), []
+    if count == 0:
+        return failed("dataset", f"dataset_path {config.dataset_path}: no records"), []
+    return passed("dataset", f"{config.dataset_path}: {count:,} records, all with {fields}"), sample
+
+
+# ---------------------------------------------------------------- model and tokenizer
+
+def check_model_name(config) -> Outcome:
+    from .modeling import adapter_base, is_adapter_folder, model_source
+
+    name = config.model_name
+    if is_adapter_folder(name):
+        base = adapter_base(name)
+        try:
+            model_source(base)
+        except UserError:
+            return failed("model_name", f"{name} is a LoRA adapter whose base model {base} is not found; give its "
+                                        f"base as model_name, or fix base_model_name_or_path in adapter_config.json")
+        return passed("model_name", f"{name} is a LoRA adapter folder; it loads as its base {base} plus the adapter")
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file() and not config.gguf_file:
+        hint = f"; did you mean {path / 'model'}?" if (path / "model" / "config.json").is_file() else ""
+        return failed("model_name", f"{name} has no config.json (not a model folder){hint}")
+    try:
+        model_source(name, config.gguf_file)
+    except UserError as exc:
+        return failed("model_name", str(exc))
+    return passed("model_name", f"{name}")
+
+
+def token_ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, (list, tuple)) else {value}
+
+
+def tokenizer_problems(tokenizer, model_config, max_length: int, from_scratch: bool) -> list[str]:
+    """What makes this tokenizer (or max_length) wrong for this model, one sentence each."""
+    problems = []
+    text = model_config.get_text_config()
+    vocab = getattr(text, "vocab_size", None)
+    if not from_scratch and vocab is not None and len(tokenizer) > vocab:
+        problems.append(f"the tokenizer has {len(tokenizer):,} tokens but the model's vocabulary is {vocab:,}: ids "
+                        f"past it index outside the embedding; use the model's own tokenizer (unset tokenizer_name)")
+    for kind in ("eos", "bos"):
+        model_ids = token_ids(getattr(model_config, f"{kind}_token_id", None))
+        token_id = getattr(tokenizer, f"{kind}_token_id")
+        if not from_scratch and model_ids and token_id is not None and token_id not in model_ids:
+            token = getattr(tokenizer, f"{kind}_token")
+            problems.append(f"the tokenizer's {kind.upper()} is id {token_id} ({token!r}) but the model's "
+                            f"{kind}_token_id is {sorted(model_ids)[0]}: the tokenizer belongs to another model; use "
+                            f"the model's own tokenizer")
+    positions = getattr(text, "max_position_embeddings", None)
+    if positions and max_length > positions:
+        problems.append(f"max_length {max_length} exceeds the model's {positions} positions; set max_length to at "
+                        f"most {positions}")
+    return problems
+
+
+def check_tokenizer(config, model_config) -> Outcome:
+    from .modeling import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision,
+                                   config.gguf_file, config.trust_remote_code)
+    except UserError as exc:
+        return failed("tokenizer", str(exc))
+    problems = tokenizer_problems(tokenizer, model_config, config.max_length, is_pretraining(config))
+    if problems:
+        return failed("tokenizer", "; ".join(problems))
+    return passed("tokenizer", f"{len(tokenizer):,} tokens, EOS {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) "
+                               f"match the model")
+
+
+# ---------------------------------------------------------------- memory and disk
+
+def device_memory() -> tuple[float, str]:
+    """Bytes of memory a single process trains in: the GPU's, or without one the machine's RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory), "GPU"
+    return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "RAM"
+
+
+def memory_problem(config, estimate, available: float, where: str) -> Optional[str]:
+    """A sentence when the estimate (plan.Memory) exceeds `available` bytes, else None."""
+    states = estimate.weights + estimate.gradients + estimate.optimizer
+    if states > available:
+        return (f"the weights, gradients and Adam states alone need {states / GIB:.1f} GiB but the {where} has "
+                f"{available / GIB:.1f} GiB; use lora: true or DeepSpeed ZeRO-3 across GPUs")
+    if estimate.total > available:
+        return (f"batch_size {config.batch_size} x max_length {config.max_length} needs about "
+                f"{estimate.total / GIB:.1f} GiB ({estimate.activations / GIB:.1f} GiB of activations) but the "
+                f"{where} has {available / GIB:.1f} GiB; lower batch_size (raise gradient_accumulation_steps to keep "
+                f"the global batch) or max_length, or set gradient_checkpointing: true")
+    return None
+
+
+def check_memory(config, shape) -> Outcome:
+    from .plan import memory_per_gpu
+
+    estimates = memory_per_gpu(shape, config.batch_size, config.max_length, config.dtype, 1,
+                               config.gradient_checkpointing)
+    mode = "LoRA" if config.lora else "full (DDP)"
+    available, where = device_memory()
+    problem = memory_problem(config, estimates[mode], available, where)
+    if problem:
+        return failed("memory", problem)
+    return passed("memory", f"about {estimates[mode].total / GIB:.2f} GiB of the {where}'s {available / GIB:.1f} GiB "
+                            f"({mode}, batch {config.batch_size} x {config.max_length}; see `plan` for the formula)")
+
+
+def writable_folder(path: Path) -> Optional[str]:
+    """None if a file can be created where `path` is (or would be created), else why not."""
+    existing = path.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return f"{existing} is not writable ({exc.strerror or type(exc).__name__})"
+    return None
+
+
+def room_problem(free: float, needed: float) -> Optional[str]:
+    if free < needed:
+        return (f"{free / GIB:.2f} GiB free but one checkpoint needs about {needed / GIB:.2f} GiB (fp32 weights and "
+                f"Adam states); free some space or choose another output_dir")
+    return None
+
+
+def check_output_dir(config, shape) -> Outcome:
+    from .plan import _existing_parent, checkpoint_bytes
+
+    path = Path(config.output_dir)
+    problem = writable_folder(path)
+    if problem:
+        return failed("output_dir", f"{config.output_dir}: {problem}; choose another output_dir")
+    if shape is None:
+        return passed("output_dir", f"{config.output_dir} is writable (checkpoint size unknown)")
+    needed = checkpoint_bytes(shape, config.lora)
+    free = shutil.disk_usage(_existing_parent(path)).free
+    problem = room_problem(free, needed)
+    if problem:
+        return failed("output_dir", f"{config.output_dir}: {problem}")
+    return passed("output_dir", f"{config.output_dir} is writable; {free / GIB:.1f} GiB free, a checkpoint takes about "
+                                f"{needed / GIB:.2f} GiB")
+
+
+def check_trackers(config) -> list[Outcome]:
+    outcomes = []
+    for tracker in config.report_to:
+        module = TRACKER_MODULES.get(tracker)
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            outcomes.append(failed("report_to", f"{tracker} is requested but not installed; pip install {module}, or "
+                                                f"remove it from report_to"))
+        else:
+            outcomes.append(passed("report_to", f"{tracker} is installed"))
+    return outcomes
+
+
+# ---------------------------------------------------------------- the dry run
+
+def dry_run_config(config, data_dir: Path, output_dir: Path):
+    """The config on DRY_RUN_EXAMPLES examples for DRY_RUN_STEPS steps: no evaluation, saves, trackers or Hub."""
+    from .config import validate
+
+    data_file = data_dir / ("check.jsonl" if is_pretraining(config) else "check_clean.jsonl")
+    changes = dict(dataset_path=str(data_file), revision=None, output_dir=str(output_dir), max_steps=DRY_RUN_STEPS,
+                   num_epochs=DRY_RUN_STEPS, batch_size=1, gradient_accumulation_steps=1, val_fraction=0.0,
+                   eval_every=None, save_every=None, report_to=["jsonl"], wandb=False, push_to_hub=False,
+                   resume=None, checkpoint=None, group_by_length=False, num_proc=1)
+    return validate(dataclasses.replace(config, **changes)), data_file
+
+
+def dry_run(config, sample: list[dict[str, Any]]) -> Outcome:
+    from .tracking import read_metrics
+    from .train import train
+
+    if len(sample) < DRY_RUN_EXAMPLES:
+        return failed("dry run", f"needs {DRY_RUN_EXAMPLES} records with text; the dataset has {len(sample)}")
+    with tempfile.TemporaryDirectory(prefix="gpt4all-check-") as tmp:
+        dry, data_file = dry_run_config(config, Path(tmp), Path(tmp) / "out")
+        data_file.write_text("".join(json.dumps(r) + "\n" for r in sample), encoding="utf-8")
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                summary = train(dry)
+        except (UserError, TrainingError) as exc:
+            return failed("dry run", str(exc))
+        except Exception as exc:  # an out-of-memory error or a model that cannot train: say which, in one line
+            return failed("dry run", f"{type(exc).__name__}: {first_line(exc)}")
+        rows = [r for r in read_metrics(Path(tmp) / "out" / "metrics.jsonl") if "loss" in r]
+    speed = statistics.median(r["tokens_per_s"] for r in rows)
+    memory = f"peak RSS {summary['peak_rss_mb']:,.0f} MiB"
+    if "peak_gpu_mb" in summary:
+        memory += f", peak GPU {summary['peak_gpu_mb']:,.0f} MiB"
+    losses = " -> ".join(f"{r['loss']:.4f}" for r in rows)
+    return passed("dry run", f"{summary['steps']} steps on {DRY_RUN_EXAMPLES} examples passed (loss {losses}); "
+                             f"{speed:,.0f} tokens/s at batch 1, {memory}")
+
+
+# ---------------------------------------------------------------- all of it
+
+def run_checks(config_path: Optional[str], overrides: list[str], report=print) -> list[Outcome]:
+    """Every check, each reported as it finishes. The dry run only runs when everything before it passed."""
+    outcomes: list[Outcome] = []
+
+    def record(*new: Outcome) -> None:
+        for outcome in new:
+            outcomes.append(outcome)
+            report(outcome.line())
+
+    config, config_outcomes = check_config(config_path, overrides)
+    record(*config_outcomes)
+    if config is None:
+        return outcomes
+    dataset_outcome, sample = check_dataset(config)
+    record(dataset_outcome)
+    shape = None
+    if config.model_name:
+        record(check_model_name(config))
+        if outcomes[-1].ok:
+            shape = model_checks(config, record)
+    record(check_output_dir(config, shape))
+    record(*check_trackers(config))
+    if all(o.ok for o in outcomes):
+        record(dry_run(config, sample))
+    return outcomes
+
+
+def model_checks(config, record):
+    """Tokenizer and memory checks; returns the model's shape (for the checkpoint size) or None."""
+    from .plan import model_config_of, model_shape
+
+    try:
+        model_config = model_config_of(config)
+        shape = model_shape(config, model_config)
+    except UserError as exc:
+        record(failed("model", str(exc)))
+        return None
+    record(check_tokenizer(config, model_config))
+    if config.batch_size >= 1 and config.max_length >= 1:
+        record(check_memory(config, shape))
+    return shape
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="training config YAML")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    outcomes = run_checks(args.config, args.overrides, report=lambda line: print(line, flush=True))
+    failures = sum(not o.ok for o in outcomes)
+    print(f"{len(outcomes) - failures} passed, {failures} failed" if failures else f"all {len(outcomes)} checks passed")
+    return 1 if failures else 0

@@ -1,0 +1,390 @@
+"""`gpt4all-training plan --config c.yaml [--gpus N] [--tokens-per-second X]`: the arithmetic of a run, before it.
+
+Everything is computed from the config and the actual tokenised data, by the functions the training loop uses:
+`load_data` for the splits, `StepSampler` for the order and the steps per epoch, `total_optimizer_steps` for the
+run's length, `learning_rate` for the schedule and `pack_rows` for packing. So the planned steps, examples and
+trained tokens are the ones `train.py` then takes, for any number of processes.
+
+Memory is an estimate: exact bytes per parameter for weights, gradients and Adam states, and a published
+approximation for activations (the formulas are printed with the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import statistics
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .errors import UserError
+
+GIB = 2**30
+# Packing is simulated micro-batch by micro-batch (first-fit decreasing in Python); beyond this many, a prefix.
+PACKING_SAMPLE = 50_000
+MEMORY_FORMULAS = (
+    "memory per GPU = weights + gradients + Adam states + activations (bytes per parameter P, trainable T, N GPUs):\n"
+    "  full (DDP): 4P + 4P + 8P (fp32 master weights; autocast's bf16/fp16 copies are transient)\n"
+    "  LoRA:       4P + 4T + 8T (the frozen base in fp32)\n"
+    "  ZeRO-2:     fp32: 4P + 4P/N + 8P/N;  bf16/fp16: 2P + 2P/N + 12P/N (12 = fp32 master + 2 Adam moments)\n"
+    "  ZeRO-3:     fp32: (4P + 4P + 8P)/N;  bf16/fp16: (2P + 2P + 12P)/N (plus one layer gathered at a time)\n"
+    "  activations (Korthikanti et al. 2022, micro-batch b, length s = max_length, width h, heads a, L layers,\n"
+    "  B bytes per value): L*s*b*h*(34 + 5*a*s/h)*B/2; with gradient checkpointing L*s*b*h*B plus one layer;\n"
+    "  plus the loss head's logits chunk (at most 8M fp32 values and their gradient). An upper bound with\n"
+    "  flash/SDPA attention, which never stores the a*s*s scores.")
+
+
+# ---------------------------------------------------------------- the model's shape (no weights loaded)
+
+@dataclass
+class ModelShape:
+    parameters: int
+    lora_trainable: Optional[int]  # adapter parameters when config.lora, else None
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+
+
+def model_config_of(config):
+    """The transformers config of the run's model, without its weights."""
+    from transformers import AutoConfig
+
+    from .modeling import adapter_base, is_adapter_folder, model_source
+
+    name = adapter_base(config.model_name) if is_adapter_folder(config.model_name) else config.model_name
+    source, extra = model_source(name, config.gguf_file)
+    try:
+        return AutoConfig.from_pretrained(source, revision=config.model_revision,
+                                          trust_remote_code=config.trust_remote_code, **extra)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model_name {config.model_name}: cannot read its config ({str(exc).splitlines()[0]})") \
+            from None
+
+
+def model_shape(config, model_config=None) -> ModelShape:
+    """Parameter counts of the model (and its LoRA adapter) built on the meta device: exact, and instant."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .modeling import apply_lora, count_parameters
+
+    model_config = model_config if model_config is not None else model_config_of(config)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT calls a deprecated transformers property
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.trust_remote_code)
+        lora = None
+        if config.lora:
+            model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout,
+                               config.lora_target_modules, False)
+            lora = count_parameters(model)[0]
+    text = model_config.get_text_config()
+    return ModelShape(parameters=count_parameters(model)[1], lora_trainable=lora, layers=text.num_hidden_layers,
+                      hidden=text.hidden_size, heads=text.num_attention_heads, vocab=text.vocab_size)
+
+
+# ---------------------------------------------------------------- memory (pure)
+
+@dataclass
+class Memory:
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, length: int, dtype: str,
+                     gradient_checkpointing: bool) -> float:
+    from .loss import CHUNK_ELEMENTS
+
+    s, b, h, a, layers = length, micro_batch, shape.hidden, shape.heads, shape.layers
+    value_bytes = 4 if dtype == "float32" else 2
+    one_layer = s * b * h * (34 + 5 * a * s / h) * value_bytes / 2
+    blocks = layers * s * b * h * value_bytes + one_layer if gradient_checkpointing else layers * one_layer
+    head = 2 * 4 * min(s * b * shape.vocab, max(CHUNK_ELEMENTS, shape.vocab))
+    return blocks + head
+
+
+def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str, gpus: int,
+                   gradient_checkpointing: bool) -> dict[str, Memory]:
+    """The estimates of MEMORY_FORMULAS, in bytes, for each way of training."""
+    P, N = shape.parameters, gpus
+    act = activation_bytes(shape, micro_batch, length, dtype, gradient_checkpointing)
+    mixed = dtype != "float32"
+    estimates = {"full (DDP)": Memory(4 * P, 4 * P, 8 * P, act)}
+    if shape.lora_trainable is not None:
+        T = shape.lora_trainable
+        estimates["LoRA"] = Memory(4 * P, 4 * T, 8 * T, act)
+    if mixed:
+        estimates["ZeRO-2"] = Memory(2 * P, 2 * P / N, 12 * P / N, act)
+        estimates["ZeRO-3"] = Memory(2 * P / N, 2 * P / N, 12 * P / N, act)
+    else:
+        estimates["ZeRO-2"] = Memory(4 * P, 4 * P / N, 8 * P / N, act)
+        estimates["ZeRO-3"] = Memory(4 * P / N, 4 * P / N, 8 * P / N, act)
+    return estimates
+
+
+# ---------------------------------------------------------------- steps and tokens (from the sampler)
+
+def run_layout(sampler, total_steps: int) -> np.ndarray:
+    """Example indices of every micro-batch of the run: shape (steps, accumulation, ranks, batch_size).
+
+    The reshape is the sampler's rule (micro-batch j of a step is its j-th slice of batch x ranks; rank r takes
+    the r-th batch of it), applied to `sampler.epoch_order`, so it is `step_indices` for every rank at once.
+    """
+    pieces, step = [], 0
+    while step < total_steps:
+        epoch, position = divmod(step, sampler.steps_per_epoch)
+        steps_here = min(sampler.steps_per_epoch - position, total_steps - step)
+        order = sampler.epoch_order(epoch).numpy()
+        start = position * sampler.examples_per_step
+        pieces.append(order[start:start + steps_here * sampler.examples_per_step])
+        step += steps_here
+    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return flat.reshape(total_steps, sampler.grad_accum, sampler.world_size, sampler.batch_size)
+
+
+@dataclass
+class TokenCounts:
+    examples: int
+    tokens: int  # real tokens: what tokens_per_s counts
+    trained: int  # tokens with a loss: what train.py's trained_tokens counts
+    padded: int  # micro-batches padded to their longest example
+    packed: Optional[int] = None  # the same micro-batches packed into rows of up to max_length
+    packed_sampled: int = 0  # micro-batches the packed figure was measured on (all, or a prefix)
+    packed_real: int = 0  # real tokens of those micro-batches
+
+
+def count_run_tokens(layout: np.ndarray, lengths: np.ndarray, n_trained: np.ndarray, max_length: int,
+                     packing_sample: int = PACKING_SAMPLE) -> TokenCounts:
+    from .packing import pack_rows
+
+    micro = layout.reshape(-1, layout.shape[-1])
+    micro_lengths = lengths[micro]
+    counts = TokenCounts(examples=int(micro.size), tokens=int(micro_lengths.sum()), trained=int(n_trained[micro].sum()),
+                         padded=int((micro_lengths.max(axis=1) * micro_lengths.shape[1]).sum()) if micro.size else 0)
+    sample = micro_lengths[:packing_sample]
+    packed = 0
+    for row_lengths in sample.tolist():
+        rows = pack_rows(row_lengths, max_length)
+        packed += len(rows) * max(sum(row_lengths[i] for i in row) for row in rows)
+    counts.packed, counts.packed_sampled, counts.packed_real = packed, len(sample), int(sample.sum())
+    return counts
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def checkpoint_bytes(shape: ModelShape, lora: bool) -> int:
+    """One step_N/ without DeepSpeed: fp32 weights (the adapter's alone under LoRA) and Adam's two fp32 moments."""
+    trainable = shape.lora_trainable if lora and shape.lora_trainable is not None else shape.parameters
+    saved = trainable if lora else shape.parameters
+    return 4 * saved + 8 * trainable
+
+
+def checkpoint_steps(total_steps: int, save_every: Optional[int]) -> list[int]:
+    """The steps the loop saves step_N/ at (never the last step: final/ is written then)."""
+    if not save_every:
+        return []
+    return [s for s in range(save_every, total_steps, save_every)]
+
+
+def most_kept(saves: list[int], keep_last: Optional[int], keep_every: Optional[int]) -> int:
+    """Most checkpoints left on disk after a save's rotation (checkpoint.rotate: the newest `keep_last`, plus the
+    multiples of `keep_every`)."""
+    kept: list[int] = []
+    most = 0
+    for step in saves:
+        kept.append(step)
+        if keep_last is not None:
+            recent = kept[-keep_last:]
+            kept = [s for s in kept if s in recent or (keep_every and s % keep_every == 0)]
+        most = max(most, len(kept))
+    return most
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass
+class Plan:
+    gpus: int
+    micro_batch: int
+    accumulation: int
+    global_batch: int
+    train_examples: int
+    val_examples: int
+    epoch_tokens: int
+    epoch_trained: int
+    steps_per_epoch: int
+    dropped_per_epoch: int
+    total_steps: int
+    run: TokenCounts
+    warmup_steps: int
+    suggested_warmup: tuple[int, int]
+    suggested_anneal: int
+    lr_first_last: tuple[float, float]
+    checkpoints: int
+    kept_at_most: int
+    checkpoint_bytes: float
+    final_bytes: float
+    shape: ModelShape
+    memory: dict[str, Memory]
+    tokens_per_second: Optional[float] = None
+    throughput_source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def disk_bytes(self) -> float:
+        # A save writes step_N.tmp before rotation deletes the oldest: one more than are ever kept.
+        during = (self.kept_at_most + 1) * self.checkpoint_bytes if self.checkpoints else 0
+        return max(during, self.kept_at_most * self.checkpoint_bytes + self.final_bytes)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1 - self.run.tokens / max(self.run.padded, 1)
+
+    @property
+    def packed_padding_fraction(self) -> float:
+        return 1 - self.run.packed_real / max(self.run.packed or 1, 1)
+
+    @property
+    def seconds(self) -> Optional[float]:
+        return self.run.tokens / self.tokens_per_second if self.tokens_per_second else None
+
+    def describe(self) -> str:
+        r = self.run
+        sampled = "" if r.packed_sampled * self.micro_batch >= r.examples else \
+            f" (measured on the first {r.packed_sampled:,} micro-batches)"
+        lines = [
+            "data",
+            f"  train: {self.train_examples:,} examples, {self.epoch_tokens:,} tokens, {self.epoch_trained:,} trained "
+            f"tokens per epoch; validation: {self.val_examples:,} examples",
+            f"  this run: {r.examples:,} examples, {r.tokens:,} tokens, {r.trained:,} trained tokens",
+            f"  padding fraction: {self.padding_fraction:.4f} without packing, "
+            f"{self.packed_padding_fraction:.4f} with packing{sampled}",
+            "steps",
+            f"  micro-batch {self.micro_batch} x {self.gpus} GPU(s) x accumulation {self.accumulation} = global batch "
+            f"{self.global_batch} examples",
+            f"  {self.steps_per_epoch:,} optimiser steps per epoch ({self.dropped_per_epoch} examples dropped per "
+            f"epoch: the last partial step); {self.total_steps:,} optimiser steps in total",
+            f"  warmup_steps {self.warmup_steps} ({100 * self.warmup_steps / max(self.total_steps, 1):.1f}% of "
+            f"total); suggested {self.suggested_warmup[0]}-{self.suggested_warmup[1]} (5-10%)",
+            f"  anneal_steps for lr_schedule gpt3: {self.suggested_anneal} (reaches end_lr at the last step)",
+            f"  lr: {self.lr_first_last[0]:.3g} at step 1, {self.lr_first_last[1]:.3g} at the last step",
+            "checkpoints",
+            f"  {self.checkpoints} written, at most {self.kept_at_most} kept at once, "
+            f"{self.checkpoint_bytes / GIB:.2f} GiB each (weights + Adam states); final/ {self.final_bytes / GIB:.2f} "
+            f"GiB; disk needed: {self.disk_bytes / GIB:.2f} GiB",
+            "memory per GPU (estimates)",
+            f"  model: {self.shape.parameters:,} parameters"
+            + (f", LoRA trains {self.shape.lora_trainable:,}" if self.shape.lora_trainable is not None else "")
+            + f"; {self.shape.layers} layers, width {self.shape.hidden}, {self.shape.heads} heads, "
+              f"vocabulary {self.shape.vocab:,}",
+        ]
+        for name, m in self.memory.items():
+            lines.append(f"  {name:<11} {m.total / GIB:8.2f} GiB = weights {m.weights / GIB:.2f} + gradients "
+                         f"{m.gradients / GIB:.2f} + Adam {m.optimizer / GIB:.2f} + activations "
+                         f"{m.activations / GIB:.2f}")
+        lines.extend("  " + line for line in MEMORY_FORMULAS.splitlines())
+        lines.append("time")
+        if self.seconds is None:
+            lines.append("  unknown: pass --tokens-per-second, or run `gpt4all-training check` (it measures one)")
+        else:
+            lines.append(f"  {self.seconds / 3600:.2f} h for {r.tokens:,} tokens at {self.tokens_per_second:,.0f} "
+                         f"tokens/s ({self.throughput_source})")
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def measured_tokens_per_second(output_dir: str) -> Optional[float]:
+    """The median tokens_per_s an earlier run logged in output_dir/metrics.jsonl, if there is one."""
+    from .tracking import read_metrics
+
+    values = [row["tokens_per_s"] for row in read_metrics(Path(output_dir) / "metrics.jsonl")
+              if isinstance(row.get("tokens_per_s"), (int, float))]
+    return statistics.median(values) if values else None
+
+
+def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
+    from .data import load_data
+    from .modeling import load_tokenizer
+    from .sampler import StepSampler
+    from .schedule import learning_rate
+    from .train import total_optimizer_steps
+
+    if gpus < 1:
+        raise UserError(f"--gpus: must be at least 1, got {gpus}")
+    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
+                               config.trust_remote_code)
+    (train_ds, val_ds), _ = load_data(config, tokenizer)
+    lengths = np.asarray(train_ds["length"], dtype=np.int64)
+    n_trained = np.asarray(train_ds["n_trained"], dtype=np.int64)
+    sampler = StepSampler(len(train_ds), config.batch_size, gpus, 0, config.gradient_accumulation_steps, config.seed,
+                          lengths=train_ds["length"] if config.group_by_length else None)
+    total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
+    run = count_run_tokens(run_layout(sampler, total_steps), lengths, n_trained, config.max_length)
+
+    shape = model_shape(config)
+    saved = shape.lora_trainable if config.lora else shape.parameters  # final/ holds the adapter only under LoRA
+    final_bytes = 4 * saved + (4 * shape.parameters if config.lora and config.merge_lora else 0)
+    saves = checkpoint_steps(total_steps, config.save_every)
+
+    source = "given"
+    if tokens_per_second is None:
+        tokens_per_second = measured_tokens_per_second(config.output_dir)
+        source = f"median measured in {config.output_dir}/metrics.jsonl"
+    notes = []
+    if tokens_per_second is not None and source == "given" and gpus > 1:
+        notes.append("--tokens-per-second is the whole run's throughput (all GPUs together, as train logs it)")
+    free = shutil.disk_usage(_existing_parent(Path(config.output_dir))).free
+    notes.append(f"{free / GIB:.1f} GiB free where output_dir is")
+    if config.lr_schedule == "gpt3" and config.warmup_steps + config.anneal_steps > total_steps:
+        notes.append(f"warmup_steps + anneal_steps = {config.warmup_steps + config.anneal_steps} is more than the "
+                     f"{total_steps} steps: the run ends before end_lr")
+    return Plan(
+        gpus=gpus, micro_batch=config.batch_size, accumulation=config.gradient_accumulation_steps,
+        global_batch=sampler.examples_per_step, train_examples=len(train_ds), val_examples=len(val_ds),
+        epoch_tokens=int(lengths.sum()), epoch_trained=int(n_trained.sum()),
+        steps_per_epoch=sampler.steps_per_epoch,
+        dropped_per_epoch=len(train_ds) - sampler.steps_per_epoch * sampler.examples_per_step,
+        total_steps=total_steps, run=run, warmup_steps=config.warmup_steps,
+        suggested_warmup=(math.ceil(0.05 * total_steps), math.ceil(0.10 * total_steps)),
+        suggested_anneal=max(1, total_steps - 1 - config.warmup_steps),
+        lr_first_last=(learning_rate(0, config, total_steps), learning_rate(total_steps - 1, config, total_steps)),
+        checkpoints=len(saves), kept_at_most=most_kept(saves, config.keep_last, config.keep_every),
+        checkpoint_bytes=checkpoint_bytes(shape, config.lora), final_bytes=final_bytes, shape=shape,
+        memory=memory_per_gpu(shape, config.batch_size, config.max_length, config.dtype, gpus,
+                              config.gradient_checkpointing),
+        tokens_per_second=tokens_per_second, throughput_source=source, notes=notes)
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="training config YAML")
+    parser.add_argument("--gpus", type=int, default=1, help="processes the run will use (default 1)")
+    parser.add_argument("--tokens-per-second", type=float, default=None,
+                        help="throughput of the whole run, for the time estimate (default: measured by an earlier "
+                             "run in output_dir, if any)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    config = load_config(args.config, args.overrides)
+    print(make_plan(config, args.gpus, args.tokens_per_second).describe())
+    return 0

@@ -1,0 +1,156 @@
+"""`plan`: its steps, examples, trained tokens and padding are what train.py then does; its formulas by hand."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+import pytest
+
+from conftest import write_jsonl
+from gpt4all_training.config import TrainConfig, validate
+from gpt4all_training.plan import (GIB, ModelShape, activation_bytes, checkpoint_steps, make_plan, memory_per_gpu,
+                                   most_kept, run, run_layout)
+from gpt4all_training.sampler import StepSampler
+from gpt4all_training.schedule import learning_rate
+from gpt4all_training.tracking import read_metrics
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+@pytest.fixture(scope="module")
+def varied_pairs(tmp_path_factory):
+    """37 prompt/response pairs of varied lengths (so padding and packing differ), an odd count (so steps drop)."""
+    rows = []
+    for i in range(37):
+        prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(1 + i % 5))
+        response = " ".join(WORDS[(3 * i + k) % len(WORDS)] for k in range(1 + (7 * i) % 11))
+        rows.append({"prompt": f"Q{i}: {prompt}?", "response": response, "source": "t"})
+    folder = tmp_path_factory.mktemp("varied")
+    write_jsonl(folder / "varied_clean.jsonl", rows)
+    return folder
+
+
+def config_for(model_dir, data_dir, output_dir, **overrides) -> TrainConfig:
+    values = dict(model_name=str(model_dir), dataset_path=str(data_dir), output_dir=str(output_dir), max_length=32,
+                  batch_size=4, lr=1e-3, min_lr=1e-4, warmup_steps=1, val_fraction=0.1, num_epochs=1,
+                  eval_every=None, eval_steps=1, save_every=None, num_proc=1, seed=3, report_to=["jsonl"])
+    values.update(overrides)
+    return validate(TrainConfig(**values))
+
+
+SETTINGS = {
+    "batch4": dict(batch_size=4),  # 33 train examples: 8 steps, 1 example dropped
+    "accum-epochs-max_steps": dict(batch_size=2, gradient_accumulation_steps=2, num_epochs=3, max_steps=19,
+                                   lr_schedule="gpt3", anneal_steps=10, end_lr=2e-4, warmup_steps=3),
+    "packing-group-by-length": dict(batch_size=5, num_epochs=2, packing=True, group_by_length=True, save_every=4,
+                                    keep_last=1),
+}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_planned_steps_tokens_and_padding_are_what_training_does(name, tiny_model_dir, varied_pairs, tmp_path):
+    from gpt4all_training.train import train
+
+    config = config_for(tiny_model_dir, varied_pairs, tmp_path / name, **SETTINGS[name])
+    plan = make_plan(config)
+    summary = train(config)
+    rows = [row for row in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in row]
+    assert plan.train_examples == summary["train_examples"] == 33
+    assert plan.total_steps == summary["steps"] == len(rows)
+    assert rows[-1]["epoch"] == pytest.approx(plan.total_steps / plan.steps_per_epoch)
+    assert plan.run.trained == summary["trained_tokens"] == rows[-1]["trained_tokens"]
+    expected_padding = plan.packed_padding_fraction if config.packing else plan.padding_fraction
+    assert round(expected_padding, 4) == summary["padding_fraction"]
+    assert [row["lr"] for row in rows] == pytest.approx([learning_rate(s, config, plan.total_steps)
+                                                         for s in range(plan.total_steps)], rel=1e-9)
+    saved = sorted(p.name for p in (tmp_path / name).glob("step_*"))
+    assert plan.kept_at_most == len(saved)
+
+
+def test_hand_computed_steps_for_each_setting(tiny_model_dir, varied_pairs, tmp_path):
+    """33 training examples. batch 4: 33 // 4 = 8 steps. batch 2 x accumulation 2: 8 per epoch, 3 epochs = 24,
+    capped at max_steps 19. batch 5, 2 epochs: 6 per epoch, 12."""
+    expected = {"batch4": (8, 8, 1), "accum-epochs-max_steps": (8, 19, 1), "packing-group-by-length": (6, 12, 3)}
+    for name, (per_epoch, total, dropped) in expected.items():
+        plan = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path, **SETTINGS[name]))
+        assert (plan.steps_per_epoch, plan.total_steps, plan.dropped_per_epoch) == (per_epoch, total, dropped)
+        assert plan.suggested_warmup == (math.ceil(0.05 * total), math.ceil(0.1 * total))
+
+
+def test_two_gpus_share_the_global_batch(tiny_model_dir, varied_pairs, tmp_path):
+    """--gpus 2 with batch 2 x accumulation 2 is a global batch of 8: 33 // 8 = 4 steps per epoch, the same steps
+    and trained tokens as one process with batch 4 x accumulation 2, and each rank's micro-batches are exactly
+    what StepSampler.step_indices gives that rank."""
+    two = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path, batch_size=2, gradient_accumulation_steps=2,
+                               num_epochs=2), gpus=2)
+    one = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path, batch_size=4, gradient_accumulation_steps=2,
+                               num_epochs=2), gpus=1)
+    assert (two.global_batch, two.steps_per_epoch, two.total_steps, two.dropped_per_epoch) == (8, 4, 8, 1)
+    assert (one.total_steps, one.run.trained, one.run.tokens, one.run.examples) == \
+        (two.total_steps, two.run.trained, two.run.tokens, two.run.examples) == (8, one.run.trained, one.run.tokens,
+                                                                                  64)
+    assert two.run.padded <= one.run.padded  # smaller micro-batches pad to a nearer longest example
+    layout = run_layout(StepSampler(33, 2, 2, 0, 2, 3), 8)
+    for rank in (0, 1):
+        sampler = StepSampler(33, 2, 2, rank, 2, 3)
+        for step in range(8):
+            assert layout[step, :, rank].tolist() == sampler.step_indices(step)
+
+
+def test_memory_formulas_by_hand():
+    shape = ModelShape(parameters=1000, lora_trainable=10, layers=2, hidden=8, heads=2, vocab=50)
+    full = memory_per_gpu(shape, 1, 4, "float32", 4, False)
+    assert (full["full (DDP)"].weights, full["full (DDP)"].gradients, full["full (DDP)"].optimizer) == (4000, 4000, 8000)
+    assert (full["LoRA"].weights, full["LoRA"].gradients, full["LoRA"].optimizer) == (4000, 40, 80)
+    assert (full["ZeRO-2"].weights, full["ZeRO-2"].gradients, full["ZeRO-2"].optimizer) == (4000, 1000, 2000)
+    assert (full["ZeRO-3"].weights, full["ZeRO-3"].gradients, full["ZeRO-3"].optimizer) == (1000, 1000, 2000)
+    mixed = memory_per_gpu(shape, 1, 4, "bfloat16", 4, False)
+    assert (mixed["ZeRO-2"].weights, mixed["ZeRO-2"].gradients, mixed["ZeRO-2"].optimizer) == (2000, 500, 3000)
+    assert (mixed["ZeRO-3"].weights, mixed["ZeRO-3"].gradients, mixed["ZeRO-3"].optimizer) == (500, 500, 3000)
+    # s=4, b=1, h=8, a=2: one layer 4*1*8*(34 + 5*2*4/8) = 32*39 = 1248 values-units; fp32 doubles it (B/2 = 2).
+    # Head: 2 * 4 bytes * min(s*b*vocab = 200, chunk) = 1600.
+    assert activation_bytes(shape, 1, 4, "float32", False) == 2 * 1248 * 2 + 1600
+    assert activation_bytes(shape, 1, 4, "bfloat16", False) == 2 * 1248 + 1600
+    # Checkpointing: each layer keeps its input (s*b*h*B = 128 bytes) plus one layer's full activations.
+    assert activation_bytes(shape, 1, 4, "float32", True) == 2 * 128 + 1248 * 2 + 1600
+
+
+def test_checkpoint_counts_follow_rotation():
+    assert checkpoint_steps(10, 2) == [2, 4, 6, 8]  # never the last step: final/ is written then
+    assert checkpoint_steps(9, 3) == [3, 6]
+    assert checkpoint_steps(10, None) == []
+    assert most_kept([2, 4, 6, 8], 2, None) == 2
+    assert most_kept([2, 4, 6, 8], None, None) == 4
+    assert most_kept([2, 4, 6, 8, 10, 12], 1, 4) == 3  # 4 and 8 stay forever, plus the newest (12)
+
+
+def test_command_prints_plan_and_time(tiny_model_dir, varied_pairs, tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model_name: {tiny_model_dir}\ndataset_path: {varied_pairs}\noutput_dir: {tmp_path / 'o'}\n"
+                      f"max_length: 32\nbatch_size: 2\ngradient_accumulation_steps: 2\nval_fraction: 0.1\n"
+                      f"seed: 3\nnum_proc: 1\nwarmup_steps: 0\nlora: true\nsave_every: 2\nkeep_last: 1\n")
+    assert run(argparse.Namespace(config=str(config), gpus=2, tokens_per_second=1000.0, overrides=[])) == 0
+    out = capsys.readouterr().out
+    plan = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path / "o", batch_size=2,
+                                gradient_accumulation_steps=2, warmup_steps=0, lora=True, save_every=2,
+                                keep_last=1), gpus=2, tokens_per_second=1000.0)
+    assert "micro-batch 2 x 2 GPU(s) x accumulation 2 = global batch 8 examples" in out
+    assert "4 optimiser steps per epoch (1 examples dropped per epoch: the last partial step); 4 optimiser steps" in out
+    assert f"{plan.seconds / 3600:.2f} h for {plan.run.tokens:,} tokens at 1,000 tokens/s (given)" in out
+    assert "1 written, at most 1 kept at once" in out  # saves at step 2 only (4 is the last step)
+    assert "LoRA trains " in out and "L*s*b*h*(34 + 5*a*s/h)*B/2" in out
+    assert plan.checkpoint_bytes == 12 * plan.shape.lora_trainable  # adapter weights + two Adam moments
+    lora = plan.memory["LoRA"]
+    assert lora.weights == 4 * plan.shape.parameters and lora.optimizer == 8 * plan.shape.lora_trainable
+
+
+def test_throughput_measured_by_an_earlier_run(tiny_model_dir, varied_pairs, tmp_path):
+    output = tmp_path / "measured"
+    write_jsonl(output / "metrics.jsonl", [{"step": s, "loss": 1.0, "tokens_per_s": v}
+                                           for s, v in enumerate([100.0, 300.0, 200.0], start=1)])
+    plan = make_plan(config_for(tiny_model_dir, varied_pairs, output))
+    assert plan.tokens_per_second == 200.0 and plan.seconds == pytest.approx(plan.run.tokens / 200.0)
+    assert "median measured in" in plan.throughput_source
+    assert np.isclose(plan.disk_bytes / GIB, plan.final_bytes / GIB)  # no step checkpoints: final/ only
