@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo clean-cache
+.PHONY: install test test-xla demo clean-cache
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@mkdir -p $(TMPDIR)
@@ -32,6 +32,13 @@ test: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	bash scripts/ensure_chromium.sh
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp=$(TMPDIR)/pytest $(PYTEST_ARGS)
+
+# The XLA tests need torch 2.9.0 + torch_xla 2.9.0 in a venv of their own (.venv-xla): accelerate switches itself to
+# XLA whenever torch_xla is importable, so it must never enter .venv.
+test-xla:
+	@mkdir -p $(TMPDIR)
+	bash scripts/make_xla_venv.sh
+	PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q -p no:cacheprovider --basetemp=$(TMPDIR)/pytest-xla tests/xla
 
 demo: $(STAMP)
 	@mkdir -p $(TMPDIR)

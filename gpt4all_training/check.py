@@ -30,6 +30,10 @@ GIB = 2**30
 TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 FINETUNE_FIELDS = ("prompt", "response")
 DRY_RUN_EXAMPLES = 2
+# Records of a streamed causal_lm dataset that are checked.
+STREAM_CHECK_RECORDS = 10_000
+# causal_lm's dry run reads records until their text is this many times max_length in characters: two or more rows.
+DRY_RUN_TEXT_FACTOR = 8
 DRY_RUN_STEPS = 2
 
 
@@ -107,7 +111,8 @@ def record_problem(record: dict[str, Any], fields: tuple[str, ...]) -> Optional[
 
 
 def check_dataset(config) -> tuple[Outcome, list[dict[str, Any]]]:
-    """Every record has the fields training reads; returns the first DRY_RUN_EXAMPLES records for the dry run."""
+    """Every record has the fields training reads; returns the records for the dry run: the first
+    DRY_RUN_EXAMPLES examples, or for causal_lm the first records with text enough for two rows or more."""
     from .pretrain_data import iter_records, record_text
 
     if not config.dataset_path:
@@ -116,13 +121,18 @@ def check_dataset(config) -> tuple[Outcome, list[dict[str, Any]]]:
     count = 0
     try:
         if is_pretraining(config):
-            text_field = getattr(config, "text_field", None)
+            text_field, chars = config.text_field, 0
             for where, record in iter_records(config.dataset_path, config.revision):
                 text = record_text(where, record, text_field)
                 count += 1
-                if len(sample) < DRY_RUN_EXAMPLES and text:
+                if chars < DRY_RUN_TEXT_FACTOR * config.max_length and text:
                     sample.append({"text": text})
+                    chars += len(text)
+                if config.streaming and count == STREAM_CHECK_RECORDS:
+                    break  # a stream may be larger than any check should read
             fields = text_field or "text/content"
+            if config.streaming and count == STREAM_CHECK_RECORDS:
+                fields += f" (the first {count:,} of the stream checked)"
         else:
             for where, record in finetune_records(config.dataset_path):
                 problem = record_problem(record, FINETUNE_FIELDS)
@@ -193,17 +203,14 @@ def tokenizer_problems(tokenizer, model_config, max_length: int, from_scratch: b
     return problems
 
 
-def check_tokenizer(config, model_config) -> Outcome:
-    from .modeling import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision,
-                                   config.gguf_file, config.trust_remote_code)
-    except UserError as exc:
-        return failed("tokenizer", str(exc))
-    problems = tokenizer_problems(tokenizer, model_config, config.max_length, is_pretraining(config))
+def check_tokenizer(config, tokenizer, model_config) -> Outcome:
+    from_scratch = config.init == "from_config"
+    problems = tokenizer_problems(tokenizer, model_config, config.max_length, from_scratch)
     if problems:
         return failed("tokenizer", "; ".join(problems))
+    if from_scratch:
+        return passed("tokenizer", f"{len(tokenizer):,} tokens, EOS {tokenizer.eos_token!r}: the new model's "
+                                   f"vocabulary and special tokens")
     return passed("tokenizer", f"{len(tokenizer):,} tokens, EOS {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) "
                                f"match the model")
 
@@ -234,7 +241,7 @@ def memory_problem(config, estimate, available: float, where: str) -> Optional[s
 
 
 def check_memory(config, shape) -> Outcome:
-    from .plan import memory_per_gpu
+    from .plan import memory_per_gpu, size
 
     estimates = memory_per_gpu(shape, config.batch_size, config.max_length, config.dtype, 1,
                                config.gradient_checkpointing)
@@ -243,15 +250,16 @@ def check_memory(config, shape) -> Outcome:
     problem = memory_problem(config, estimates[mode], available, where)
     if problem:
         return failed("memory", problem)
-    return passed("memory", f"about {estimates[mode].total / GIB:.2f} GiB of the {where}'s {available / GIB:.1f} GiB "
-                            f"({mode}, batch {config.batch_size} x {config.max_length}; see `plan` for the formula)")
+    what = "LoRA" if config.lora else "full fine-tuning"
+    return passed("memory", f"about {size(estimates[mode].total)} of the {where}'s {size(available)} "
+                            f"({what}, batch {config.batch_size} x {config.max_length}; `plan` shows the formula)")
 
 
 def writable_folder(path: Path) -> Optional[str]:
     """None if a file can be created where `path` is (or would be created), else why not."""
-    existing = path.resolve()
-    while not existing.exists():
-        existing = existing.parent
+    from .plan import existing_parent
+
+    existing = existing_parent(path)
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
@@ -261,14 +269,16 @@ def writable_folder(path: Path) -> Optional[str]:
 
 
 def room_problem(free: float, needed: float) -> Optional[str]:
+    from .plan import size
+
     if free < needed:
-        return (f"{free / GIB:.2f} GiB free but one checkpoint needs about {needed / GIB:.2f} GiB (fp32 weights and "
+        return (f"{size(free)} free but one checkpoint needs about {size(needed)} (fp32 weights and "
                 f"Adam states); free some space or choose another output_dir")
     return None
 
 
 def check_output_dir(config, shape) -> Outcome:
-    from .plan import _existing_parent, checkpoint_bytes
+    from .plan import checkpoint_bytes, existing_parent, size
 
     path = Path(config.output_dir)
     problem = writable_folder(path)
@@ -277,12 +287,12 @@ def check_output_dir(config, shape) -> Outcome:
     if shape is None:
         return passed("output_dir", f"{config.output_dir} is writable (checkpoint size unknown)")
     needed = checkpoint_bytes(shape, config.lora)
-    free = shutil.disk_usage(_existing_parent(path)).free
+    free = shutil.disk_usage(existing_parent(path)).free
     problem = room_problem(free, needed)
     if problem:
         return failed("output_dir", f"{config.output_dir}: {problem}")
-    return passed("output_dir", f"{config.output_dir} is writable; {free / GIB:.1f} GiB free, a checkpoint takes about "
-                                f"{needed / GIB:.2f} GiB")
+    return passed("output_dir", f"{config.output_dir} is writable; {size(free)} free, a checkpoint takes about "
+                                f"{size(needed)}")
 
 
 def check_trackers(config) -> list[Outcome]:
@@ -319,13 +329,13 @@ def dry_run(config, sample: list[dict[str, Any]]) -> Outcome:
     from .tracking import read_metrics
     from .train import train
 
-    if len(sample) < DRY_RUN_EXAMPLES:
+    if len(sample) < (1 if is_pretraining(config) else DRY_RUN_EXAMPLES):
         return failed("dry run", f"needs {DRY_RUN_EXAMPLES} records with text; the dataset has {len(sample)}")
     with tempfile.TemporaryDirectory(prefix="gpt4all-check-") as tmp:
-        dry, data_file = dry_run_config(config, Path(tmp), Path(tmp) / "out")
-        data_file.write_text("".join(json.dumps(r) + "\n" for r in sample), encoding="utf-8")
-        log = io.StringIO()
+        log = io.StringIO()  # train()'s own output; the outcome line says what matters
         try:
+            dry, data_file = dry_run_config(config, Path(tmp), Path(tmp) / "out")
+            data_file.write_text("".join(json.dumps(r) + "\n" for r in sample), encoding="utf-8")
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 summary = train(dry)
         except (UserError, TrainingError) as exc:
@@ -338,7 +348,8 @@ def dry_run(config, sample: list[dict[str, Any]]) -> Outcome:
     if "peak_gpu_mb" in summary:
         memory += f", peak GPU {summary['peak_gpu_mb']:,.0f} MiB"
     losses = " -> ".join(f"{r['loss']:.4f}" for r in rows)
-    return passed("dry run", f"{summary['steps']} steps on {DRY_RUN_EXAMPLES} examples passed (loss {losses}); "
+    what = f"{summary['train_examples']} rows" if is_pretraining(config) else f"{len(sample)} examples"
+    return passed("dry run", f"{summary['steps']} steps on {what} passed (loss {losses}); "
                              f"{speed:,.0f} tokens/s at batch 1, {memory}")
 
 
@@ -360,7 +371,9 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
     dataset_outcome, sample = check_dataset(config)
     record(dataset_outcome)
     shape = None
-    if config.model_name:
+    if config.init == "from_config":
+        shape = model_checks(config, record)
+    elif config.model_name:
         record(check_model_name(config))
         if outcomes[-1].ok:
             shape = model_checks(config, record)
@@ -372,16 +385,30 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
 
 
 def model_checks(config, record):
-    """Tokenizer and memory checks; returns the model's shape (for the checkpoint size) or None."""
+    """Tokenizer and memory checks (and for init from_config, the config the model is built from); returns the
+    model's shape (for the checkpoint size) or None."""
+    from .modeling import load_tokenizer
     from .plan import model_config_of, model_shape
+    from .pretrain_data import resolve_model_config
 
+    from_scratch = config.init == "from_config"
     try:
-        model_config = model_config_of(config)
+        tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision,
+                                   config.gguf_file, config.trust_remote_code)
+    except UserError as exc:
+        record(failed("tokenizer", str(exc)))
+        return None
+    name = "model_config" if from_scratch else "model"
+    try:
+        model_config = resolve_model_config(config, tokenizer) if from_scratch else model_config_of(config)
         shape = model_shape(config, model_config)
     except UserError as exc:
-        record(failed("model", str(exc)))
+        record(failed(name, str(exc)))
         return None
-    record(check_tokenizer(config, model_config))
+    if from_scratch:
+        record(passed(name, f"{model_config.model_type} with {shape.layers} layers, width {shape.hidden}: "
+                            f"{shape.parameters:,} parameters, vocabulary {shape.vocab:,} (the tokenizer's)"))
+    record(check_tokenizer(config, tokenizer, model_config))
     if config.batch_size >= 1 and config.max_length >= 1:
         record(check_memory(config, shape))
     return shape

@@ -19,10 +19,12 @@ any `.tmp` folder, is never loaded. Old checkpoints are rotated away only after 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -124,6 +126,16 @@ def torch_save(obj: Any, path: Path) -> None:
     torch.save(obj, buffer)
     with open(path, "wb") as f:
         f.write(buffer.getbuffer())
+
+
+def load_tensors(path: Path, map_location: str | None = None) -> Any:
+    """torch.load of a file of tensors and plain values only: a pickle that would construct anything else (and so
+    could run code) is refused with a UserError naming the file, whatever its checksum says."""
+    try:
+        return torch.load(path, weights_only=True, map_location=map_location)
+    except pickle.UnpicklingError:
+        raise UserError(f"checkpoint file {path}: holds objects other than tensors, and loading them could run code; "
+                        f"refused. Resume only from checkpoints this program wrote") from None
 
 
 def write_marker(folder: Path) -> None:
@@ -234,8 +246,10 @@ def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, stat
         if accelerator.is_main_process:  # the one writer of the folder; a later rotate() sweeps what remains
             shutil.rmtree(tmp, ignore_errors=True)
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        denied = getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS)
         raise TrainingError(f"step {state['step']}: could not write checkpoint {folder} ({reason}); "
-                            f"{previous_checkpoint_note(folder.parent)}. Free disk space, then rerun with "
+                            f"{previous_checkpoint_note(folder.parent)}. "
+                            f"{'Make output_dir writable' if denied else 'Free disk space'}, then rerun with "
                             f"resume=auto") from exc
     accelerator.wait_for_everyone()
     return folder
@@ -290,13 +304,13 @@ def load_checkpoint(folder: Path, accelerator, model, optimizer, scheduler) -> d
         if not (folder / "optimizer.pt").is_file():
             raise UserError(f"checkpoint {folder}: written under DeepSpeed; resume it with the same DeepSpeed launch")
         load_model_weights(accelerator.unwrap_model(model), folder / "model")
-        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu"))
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        optimizer.load_state_dict(load_tensors(folder / "optimizer.pt", map_location="cpu"))
+    scheduler.load_state_dict(load_tensors(folder / "scheduler.pt"))
     if (folder / "scaler.pt").is_file() and getattr(accelerator, "scaler", None) is not None:
-        accelerator.scaler.load_state_dict(torch.load(folder / "scaler.pt", weights_only=True))
+        accelerator.scaler.load_state_dict(load_tensors(folder / "scaler.pt"))
     rng_file = folder / "rng" / f"rank{accelerator.process_index}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(load_tensors(rng_file))
     return json.loads((folder / "state.json").read_text(encoding="utf-8"))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -48,10 +49,23 @@ class TrainConfig:
     lora_dropout: float = doc("Dropout on the LoRA input.", 0.05)
     lora_target_modules: Optional[list[str]] = doc("Module names to adapt; unset means PEFT's default for the model.")
     merge_lora: bool = doc("Also save the adapter merged into the base (merged in fp32) under final/merged.", False)
+    # --- pretraining (objective: causal_lm) ---
+    objective: str = doc("'sft': prompt/response data, loss on the response. 'causal_lm': raw text joined with EOS "
+                         "into rows of max_length, loss on every token (pretraining, as CodeParrot).", "sft")
+    init: str = doc("'pretrained': load model_name's weights. 'from_config' (causal_lm only): random weights from "
+                    "model_config, vocabulary sized to the tokenizer.", "pretrained")
+    model_config: Optional[str] = doc("init from_config: a local folder, a model type (gptj, llama, ...) or a Hub "
+                                      "id whose config is used; unset: model_name's.")
+    model_config_overrides: Optional[dict] = doc("init from_config: fields set on model_config, e.g. "
+                                                 "{n_layer: 4, n_embd: 256}.")
+    text_field: Optional[str] = doc("causal_lm: the record field holding the text; unset: 'text', else 'content'.")
+    shuffle_buffer: int = doc("causal_lm: rows are shuffled through a buffer of this many, seeded per epoch.", 1000)
+    z_loss: float = doc("causal_lm: add z_loss x log(Z)^2 per token (mesh-transformer-jax used 1e-4); 0: off.", 0.0)
     # --- data ---
     dataset_path: Optional[str] = doc("A *_clean.jsonl file, a folder of them, or a Hub dataset id. Required.")
     revision: Optional[str] = doc("Hub revision of the dataset; pin it for reproducible data.")
-    streaming: bool = doc("gpt4all compatibility: when true, tokenise in this process (num_proc=1).", False)
+    streaming: bool = doc("causal_lm: read and tokenise records as training consumes them (needs max_steps). "
+                          "sft (gpt4all compatibility): tokenise in this process (num_proc=1).", False)
     num_proc: int = doc("Processes for tokenisation; capped at the machine's cores.", 4)
     max_length: int = doc("Longest tokenised example; longer ones are truncated (prompt end kept).", 1024)
     prompt_template: str = doc("'plain' (prompt + newline), 'chat' (the tokenizer's chat template) or 'auto'.", "auto")
@@ -76,6 +90,12 @@ class TrainConfig:
     num_epochs: int = doc("Passes over the training data.", 1)
     max_steps: Optional[int] = doc("Stop after this many optimiser steps (for short runs).")
     seed: int = doc("Seed for the split, the data order and initialisation.", 42)
+    nan_policy: str = doc("A step whose loss is NaN or infinite: 'stop' ends the run with an error naming the step; "
+                          "'skip' drops that step's update (gradients zeroed, the step still counts) and counts it "
+                          "as skipped_steps in metrics.jsonl and the summary.", "stop")
+    ddp_timeout_s: Optional[int] = doc("Several processes: seconds a rank waits in a collective for the others "
+                                       "before it stops with an error (a rank that died or hangs); unset: torch's "
+                                       "default (NCCL 10 min, gloo 30 min).")
     # --- evaluation, checkpoints, logging ---
     eval_every: Optional[int] = doc("Validate every N optimiser steps (and at the end); unset: only at the end.", 500)
     eval_steps: Optional[int] = doc("At most this many validation batches; unset: all.")
@@ -130,7 +150,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if base is bool:
         if isinstance(value, bool):
             return value
-        raise UserError(f"{key}: expected true or false, got {value!r}")
+        raise UserError(f"{key}: expected true or false, got {shown(value)}")
     if base is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -138,23 +158,36 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         number = _number(value)
         if number is not None and number.is_integer():
             return int(number)
-        raise UserError(f"{key}: expected an integer, got {value!r}")
+        raise UserError(f"{key}: expected an integer, got {shown(value)}")
     if base is float:
         number = _number(value)
         if number is None:
-            raise UserError(f"{key}: expected a number, got {value!r}")
+            raise UserError(f"{key}: expected a number, got {shown(value)}")
         return number
     if base is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise UserError(f"{key}: expected a string, got {value!r}")
+        raise UserError(f"{key}: expected a string, got {shown(value)}")
+    if base is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise UserError(f"{key}: expected a mapping of name: value, got {shown(value)}")
+        return dict(value)
     if typing.get_origin(base) is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UserError(f"{key}: expected a list of strings, got {value!r}")
+            raise UserError(f"{key}: expected a list of strings, got {shown(value)}")
         return list(value)
     raise TypeError(f"unsupported config type for {key}: {tp}")  # a bug in the dataclass, not user input
+
+
+def shown(value: Any) -> str:
+    """`value` for an error line: repr, cut short (a YAML alias can make a list of millions from a few lines)."""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = 160
+    short.maxlist = short.maxdict = 4
+    short.maxlevel = 2
+    return short.repr(value)
 
 
 def _number(value: Any) -> float | None:
@@ -179,7 +212,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     """Range checks that types alone cannot express. Raises UserError naming the key."""
     c = config
     for key in REQUIRED:
-        if not getattr(c, key):
+        if not getattr(c, key) and not (key == "model_name" and c.init == "from_config"):
             raise UserError(f"{key}: missing; set it in the config or on the command line as {key}=...")
     checks = [
         ("lr", c.lr > 0 and math.isfinite(c.lr), "must be > 0"),
@@ -201,12 +234,28 @@ def validate(config: TrainConfig) -> TrainConfig:
         ("dtype", c.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
         ("prompt_template", c.prompt_template in ("auto", "plain", "chat"), "must be auto, plain or chat"),
         ("max_grad_norm", c.max_grad_norm is None or c.max_grad_norm > 0, "must be > 0 (or unset to disable)"),
+        ("nan_policy", c.nan_policy in ("stop", "skip"), "must be 'stop' or 'skip'"),
+        ("ddp_timeout_s", c.ddp_timeout_s is None or c.ddp_timeout_s >= 1, "must be at least 1 (or unset)"),
         ("max_steps", c.max_steps is None or c.max_steps >= 1, "must be at least 1"),
         ("keep_last", c.keep_last is None or c.keep_last >= 1, "must be at least 1"),
         ("keep_every", c.keep_every is None or c.keep_every >= 1, "must be at least 1 (or unset)"),
         ("resume", c.resume in (None, "auto"), "must be 'auto' or unset; to resume from a folder use checkpoint=PATH"),
         ("eval_steps", c.eval_steps is None or c.eval_steps >= 1, "must be at least 1"),
         ("push_to_hub", not c.push_to_hub or bool(c.save_name), "needs save_name (the Hub repo id)"),
+        ("objective", c.objective in ("sft", "causal_lm"), "must be 'sft' or 'causal_lm'"),
+        ("init", c.init in ("pretrained", "from_config"), "must be 'pretrained' or 'from_config'"),
+        ("init", c.init == "pretrained" or c.objective == "causal_lm", "from_config needs objective: causal_lm"),
+        ("init", c.init == "pretrained" or not c.lora, "from_config trains every weight; set lora: false"),
+        ("model_config", c.init == "pretrained" or bool(c.model_config or c.model_name),
+         "init from_config needs model_config (a folder, a model type such as gptj, or a Hub id)"),
+        ("tokenizer_name", c.init == "pretrained" or bool(c.tokenizer_name or c.model_name),
+         "init from_config needs tokenizer_name (e.g. a folder written by `gpt4all-training tokenizer`)"),
+        ("packing", c.objective == "sft" or not c.packing, "causal_lm rows are already max_length long; set false"),
+        ("group_by_length", c.objective == "sft" or not c.group_by_length, "causal_lm rows all have one length"),
+        ("max_steps", c.objective == "sft" or not c.streaming or c.max_steps is not None,
+         "streaming causal_lm needs max_steps (a stream's length is unknown until it ends)"),
+        ("shuffle_buffer", c.shuffle_buffer >= 1, "must be at least 1 (1 keeps the stream's order)"),
+        ("z_loss", c.z_loss >= 0 and math.isfinite(c.z_loss), "must be >= 0"),
     ]
     checks.append(("log_every", c.log_every >= 1, "must be at least 1"))
     for key in ("eval_every", "save_every", "log_grads_every", "log_lr_every"):
@@ -241,7 +290,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"config {path}: file not found; pass an existing YAML file to --config")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""
         raise UserError(f"config {path}: not valid YAML{where}; check the syntax") from None
@@ -259,7 +308,8 @@ def check_keys(values: dict[str, Any], cls: type, source: str) -> None:
         if not isinstance(key, str) or key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise UserError(f"{key}: unknown key in {source}{hint}")
+            name = key if isinstance(key, str) and key.isprintable() and len(key) <= 80 else shown(key)
+            raise UserError(f"{name}: unknown key in {source}{hint}")
 
 
 def build_config(values: dict[str, Any], cls: type = TrainConfig, source: str = "config") -> Any:

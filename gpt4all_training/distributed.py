@@ -14,6 +14,7 @@ import contextlib
 import os
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +44,21 @@ def build_accelerator(config):
     from accelerate.utils import InitProcessGroupKwargs
 
     deepspeed = deepspeed_requested()
-    handlers = []
+    process_group: dict[str, Any] = {}
+    if launched_world_size() > 1 and config.ddp_timeout_s:
+        # How long a rank waits in a collective for a dead or hung peer. accelerate drops a value equal to its
+        # default (600 s), which gloo would replace with 30 min; a microsecond more keeps it.
+        process_group["timeout"] = timedelta(seconds=config.ddp_timeout_s, microseconds=1)
     if launched_world_size() > 1 and not torch.cuda.is_available():
         if deepspeed:
             # DeepSpeed would pick a GPU backend; gloo is the CPU one. (cpu=True would quietly turn it into DDP.)
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            process_group["backend"] = "gloo"
         else:
             # Without CUDA, `accelerate launch --multi_gpu` starts independent processes; make them one gloo group.
             os.environ["ACCELERATE_USE_CPU"] = "true"
     # DeepSpeed's engine owns accumulation; give accelerate the same count so the two never disagree.
     accumulation = config.gradient_accumulation_steps if deepspeed else 1
+    handlers = [InitProcessGroupKwargs(**process_group)] if process_group else []
     accelerator = Accelerator(mixed_precision=MIXED_PRECISION[config.dtype], kwargs_handlers=handlers,
                               gradient_accumulation_steps=accumulation)
     if is_deepspeed(accelerator):
@@ -153,9 +159,10 @@ def whole_model_init(accelerator):
 
 
 def whole_copy(accelerator, unwrapped, state_dict: dict[str, torch.Tensor]):
-    """`unwrapped` itself, or under ZeRO-3 (where it holds only this rank's partition) a whole CPU copy built from
-    the gathered `state_dict`: what merging a LoRA adapter into its base needs. Main process only."""
-    if zero_stage(accelerator) != 3:
+    """`unwrapped` itself, or a whole CPU copy built from the gathered `state_dict` where the in-memory model cannot
+    be saved as it is: under ZeRO-3 it holds only this rank's partition, under XLA its tensors live on the XLA
+    device. What merging a LoRA adapter into its base needs. Main process only."""
+    if zero_stage(accelerator) != 3 and not is_xla(accelerator):
         return unwrapped
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -163,7 +170,7 @@ def whole_copy(accelerator, unwrapped, state_dict: dict[str, torch.Tensor]):
     with whole_model_init(accelerator):
         base = AutoModelForCausalLM.from_config(unwrapped.get_base_model().config, dtype=torch.float32)
         copy = get_peft_model(base, unwrapped.peft_config[unwrapped.active_adapter])
-    copy.load_state_dict(state_dict)
+    copy.load_state_dict(cpu_state_dict(state_dict))
     return copy
 
 
@@ -203,6 +210,66 @@ def backward(accelerator, loss: torch.Tensor) -> None:
         accelerator.backward(loss, scale_wrt_gas=False)
     else:
         accelerator.backward(loss * accelerator.gradient_accumulation_steps)
+
+
+# ---------------------------------------------------------------- XLA (a TPU, or PJRT_DEVICE=CPU)
+
+# Filler of each batch key when a batch is widened to its bucket: padding is never attended to by real tokens
+# (causal, right-padded) and never trained.
+PAD_VALUES = {"labels": -100}
+SMALLEST_BUCKET = 64
+
+
+def is_xla(accelerator) -> bool:
+    return accelerator.device.type == "xla"
+
+
+def bucket_width(width: int) -> int:
+    """The padded width of a batch under XLA: the next power of two (at least 64). XLA compiles one graph per input
+    shape, so padding to a few fixed widths bounds the compilations (log2 of max_length of them) instead of
+    compiling anew for every batch width."""
+    return max(SMALLEST_BUCKET, 1 << (width - 1).bit_length())
+
+
+def device_batch(batch: dict[str, torch.Tensor], accelerator) -> dict[str, torch.Tensor]:
+    """`batch` on the accelerator's device; under XLA widened to its bucket first."""
+    if is_xla(accelerator):
+        width = batch["input_ids"].shape[1]
+        extra = bucket_width(width) - width
+        batch = {k: torch.nn.functional.pad(v, (0, extra), value=PAD_VALUES.get(k, 0)) if v.dim() == 2 else v
+                 for k, v in batch.items()}
+    return {k: v.to(accelerator.device) for k, v in batch.items()}
+
+
+def step_boundary(accelerator) -> None:
+    """Under XLA, cut the lazily traced graph here, so each optimiser step (or evaluation batch) is one graph that
+    compiles once and replays; elsewhere nothing."""
+    if is_xla(accelerator):
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def xla_metrics(accelerator) -> dict[str, int]:
+    """{"xla_compilations": graphs compiled so far by this process} under XLA, else {}: a count that keeps growing
+    after the first steps means shapes are not static and every step pays for a compilation."""
+    if not is_xla(accelerator):
+        return {}
+    import torch_xla.debug.metrics as metrics
+
+    data = metrics.metric_data("CompileTime")
+    return {"xla_compilations": int(data[0]) if data else 0}
+
+
+def cpu_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in state_dict.items()}
+
+
+def saveable_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
+    """accelerator.get_state_dict (a collective under ZeRO-3: every rank calls it), moved to the CPU under XLA,
+    since safetensors cannot write XLA tensors."""
+    state_dict = accelerator.get_state_dict(model)
+    return cpu_state_dict(state_dict) if is_xla(accelerator) else state_dict
 
 
 # ---------------------------------------------------------------- checkpoints and the end of a run

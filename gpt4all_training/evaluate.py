@@ -7,6 +7,7 @@ import math
 import torch
 
 from .data import fetch_batch
+from .distributed import device_batch, step_boundary
 from .loss import token_loss_sum
 
 
@@ -40,12 +41,13 @@ def evaluate_loss(model, dataset, accelerator, batch_size: int, pad_id: int,
     for indices, real in eval_batches(len(dataset), batch_size, accelerator.num_processes,
                                       accelerator.process_index, max_batches):
         batch = fetch_batch(dataset, indices, pad_id)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        batch = device_batch(batch, accelerator)  # under XLA padded to a fixed width bucket: no recompiles
         with accelerator.autocast():
             loss = token_loss_sum(model, batch)
         if real:
             loss_sum += loss.double()
             n_tokens += (batch["labels"][:, 1:] != -100).sum()
+        step_boundary(accelerator)  # XLA: one graph per batch
     totals = accelerator.reduce(torch.stack([loss_sum, n_tokens]), reduction="sum")
     if was_training:
         model.train()

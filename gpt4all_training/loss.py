@@ -164,7 +164,8 @@ def chunked_nll_sum(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum of next-token NLL over the trained positions of `batch` (fp32 maths whatever the autocast dtype)."""
     targets = batch["labels"][:, 1:]
-    found = output_head(model)
+    # XLA: the chunked head selects trained tokens by a boolean mask, a data-dependent shape that recompiles.
+    found = None if batch["input_ids"].device.type == "xla" else output_head(model)
     if found is None:
         logits = model(**model_inputs(batch)).logits
         shifted = logits[:, :-1].float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,17 @@ def model_source(name: str, gguf_file: str | None = None) -> tuple[str, dict[str
     return name, {}
 
 
+def refusal(what: str, exc: Exception) -> UserError | None:
+    """transformers' two refusals to run a stranger's code, as one line naming `what`; None for other errors."""
+    if isinstance(exc, pickle.UnpicklingError):  # torch.load(weights_only=True) met a pickle that is not tensors
+        return UserError(f"{what}: a .bin/pickle weights file holds objects other than tensors, and loading them "
+                         f"could run code; refused. Use safetensors weights, or a file from a source you trust")
+    if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
+        return UserError(f"{what}: ships its own Python code (auto_map in its config); set trust_remote_code: true "
+                         f"only if you have read that code and trust it")
+    return None
+
+
 def is_adapter_folder(name: str) -> bool:
     return (Path(name) / "adapter_config.json").is_file()
 
@@ -44,6 +56,11 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
                                                   trust_remote_code=trust_remote_code, **extra)
     except OSError as exc:
         raise UserError(f"tokenizer {name}: cannot load ({str(exc).splitlines()[0]})") from None
+    except (ValueError, pickle.UnpicklingError) as exc:
+        refused = refusal(f"tokenizer {name}", exc)
+        if refused is None:
+            raise
+        raise refused from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -72,6 +89,11 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
                                                      **extra)
     except OSError as exc:
         raise UserError(f"model_name {name}: cannot load ({str(exc).splitlines()[0]})") from None
+    except (ValueError, pickle.UnpicklingError) as exc:
+        refused = refusal(f"model_name {name}", exc)
+        if refused is None:
+            raise
+        raise refused from None
     if extra.get("gguf_file"):
         # GGUF weights arrive dequantised; drop the quantisation marker so the model saves as ordinary safetensors.
         if hasattr(model.config, "quantization_config"):
@@ -103,8 +125,9 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    # Under ZeRO-3 a partitioned parameter is empty here; DeepSpeed keeps its real size in ds_numel.
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return trainable, total
 
 
@@ -118,5 +141,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for param in model.parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 or id(param) in no_decay_ids else decay).append(param)
+        ndim = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partition is flat; ds_shape is the real one
+        (no_decay if ndim < 2 or id(param) in no_decay_ids else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

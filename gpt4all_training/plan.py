@@ -25,6 +25,12 @@ import numpy as np
 from .errors import UserError
 
 GIB = 2**30
+
+
+def size(n_bytes: float) -> str:
+    """Bytes for people: GiB from 1 GiB up, MiB below (tiny models would all read 0.00 GiB)."""
+    return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB else f"{n_bytes / 2**20:.1f} MiB"
+
 # Packing is simulated micro-batch by micro-batch (first-fit decreasing in Python); beyond this many, a prefix.
 PACKING_SAMPLE = 50_000
 MEMORY_FORMULAS = (
@@ -281,8 +287,8 @@ class Plan:
             f"  lr: {self.lr_first_last[0]:.3g} at step 1, {self.lr_first_last[1]:.3g} at the last step",
             "checkpoints",
             f"  {self.checkpoints} written, at most {self.kept_at_most} kept at once, "
-            f"{self.checkpoint_bytes / GIB:.2f} GiB each (weights + Adam states); final/ {self.final_bytes / GIB:.2f} "
-            f"GiB; disk needed: {self.disk_bytes / GIB:.2f} GiB",
+            f"{size(self.checkpoint_bytes)} each (weights + Adam states); final/ {size(self.final_bytes)}; disk "
+            f"needed: {size(self.disk_bytes)}",
             "memory per GPU (estimates)",
             f"  model: {self.shape.parameters:,} parameters"
             + (f", LoRA trains {self.shape.lora_trainable:,}" if self.shape.lora_trainable is not None else "")
@@ -290,9 +296,8 @@ class Plan:
               f"vocabulary {self.shape.vocab:,}",
         ]
         for name, m in self.memory.items():
-            lines.append(f"  {name:<11} {m.total / GIB:8.2f} GiB = weights {m.weights / GIB:.2f} + gradients "
-                         f"{m.gradients / GIB:.2f} + Adam {m.optimizer / GIB:.2f} + activations "
-                         f"{m.activations / GIB:.2f}")
+            lines.append(f"  {name:<11} {size(m.total):>11} = weights {size(m.weights)} + gradients "
+                         f"{size(m.gradients)} + Adam {size(m.optimizer)} + activations {size(m.activations)}")
         lines.extend("  " + line for line in MEMORY_FORMULAS.splitlines())
         lines.append("time")
         if self.seconds is None:
@@ -313,26 +318,81 @@ def measured_tokens_per_second(output_dir: str) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
+@dataclass
+class DataPlan:
+    train_examples: int  # examples, or rows per pass for causal_lm
+    val_examples: int
+    epoch_tokens: int
+    epoch_trained: int
+    global_batch: int
+    steps_per_epoch: int
+    dropped_per_epoch: int
+    total_steps: int
+    run: TokenCounts
+
+
+def plan_finetune_data(config, tokenizer, gpus: int) -> DataPlan:
+    """Prompt/response data: load_data, StepSampler and total_optimizer_steps, exactly as train.py calls them."""
     from .data import load_data
-    from .modeling import load_tokenizer
     from .sampler import StepSampler
-    from .schedule import learning_rate
     from .train import total_optimizer_steps
 
-    if gpus < 1:
-        raise UserError(f"--gpus: must be at least 1, got {gpus}")
-    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
-                               config.trust_remote_code)
     (train_ds, val_ds), _ = load_data(config, tokenizer)
     lengths = np.asarray(train_ds["length"], dtype=np.int64)
     n_trained = np.asarray(train_ds["n_trained"], dtype=np.int64)
     sampler = StepSampler(len(train_ds), config.batch_size, gpus, 0, config.gradient_accumulation_steps, config.seed,
                           lengths=train_ds["length"] if config.group_by_length else None)
     total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
-    run = count_run_tokens(run_layout(sampler, total_steps), lengths, n_trained, config.max_length)
+    return DataPlan(train_examples=len(train_ds), val_examples=len(val_ds), epoch_tokens=int(lengths.sum()),
+                    epoch_trained=int(n_trained.sum()), global_batch=sampler.examples_per_step,
+                    steps_per_epoch=sampler.steps_per_epoch,
+                    dropped_per_epoch=len(train_ds) - sampler.steps_per_epoch * sampler.examples_per_step,
+                    total_steps=total_steps,
+                    run=count_run_tokens(run_layout(sampler, total_steps), lengths, n_trained, config.max_length))
 
-    shape = model_shape(config)
+
+def plan_pretrain_data(config, tokenizer, gpus: int) -> DataPlan:
+    """causal_lm rows: load_pretrain_data and RowSampler as train.py calls them. A stream is read through once to
+    count its rows (train.py does not: it runs max_steps)."""
+    from .pretrain_data import PretrainStats, RowSampler, load_pretrain_data
+    from .train import total_optimizer_steps
+
+    (store, val_ds), (stats, _) = load_pretrain_data(config, tokenizer, log=lambda line: None)
+    sampler = RowSampler(store, config.batch_size, gpus, 0, config.gradient_accumulation_steps, config.seed,
+                         config.max_steps)
+    total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
+    if store.streaming:
+        stats = PretrainStats(rows_per_step=sampler.examples_per_step)
+        for _ in store.pass_rows(stats):
+            pass
+    rows = total_steps * sampler.examples_per_step
+    tokens = rows * config.max_length
+    trained = rows * (config.max_length - 1)  # every position but the first of each row
+    return DataPlan(train_examples=stats.rows, val_examples=len(val_ds), epoch_tokens=stats.rows * config.max_length,
+                    epoch_trained=stats.rows * (config.max_length - 1), global_batch=sampler.examples_per_step,
+                    steps_per_epoch=stats.steps, dropped_per_epoch=stats.dropped_rows, total_steps=total_steps,
+                    run=TokenCounts(examples=rows, tokens=tokens, trained=trained, padded=tokens, packed=tokens,
+                                    packed_sampled=rows // config.batch_size, packed_real=tokens))
+
+
+def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
+    from .modeling import load_tokenizer
+    from .schedule import learning_rate
+
+    if gpus < 1:
+        raise UserError(f"--gpus: must be at least 1, got {gpus}")
+    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
+                               config.trust_remote_code)
+    pretraining = config.objective == "causal_lm"
+    data = (plan_pretrain_data if pretraining else plan_finetune_data)(config, tokenizer, gpus)
+    total_steps = data.total_steps
+
+    if config.init == "from_config":
+        from .pretrain_data import resolve_model_config
+
+        shape = model_shape(config, resolve_model_config(config, tokenizer))
+    else:
+        shape = model_shape(config)
     saved = shape.lora_trainable if config.lora else shape.parameters  # final/ holds the adapter only under LoRA
     final_bytes = 4 * saved + (4 * shape.parameters if config.lora and config.merge_lora else 0)
     saves = checkpoint_steps(total_steps, config.save_every)
@@ -344,18 +404,19 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
     notes = []
     if tokens_per_second is not None and source == "given" and gpus > 1:
         notes.append("--tokens-per-second is the whole run's throughput (all GPUs together, as train logs it)")
-    free = shutil.disk_usage(_existing_parent(Path(config.output_dir))).free
-    notes.append(f"{free / GIB:.1f} GiB free where output_dir is")
+    free = shutil.disk_usage(existing_parent(Path(config.output_dir))).free
+    notes.append(f"{size(free)} free where output_dir is")
     if config.lr_schedule == "gpt3" and config.warmup_steps + config.anneal_steps > total_steps:
         notes.append(f"warmup_steps + anneal_steps = {config.warmup_steps + config.anneal_steps} is more than the "
                      f"{total_steps} steps: the run ends before end_lr")
+    if pretraining:
+        notes.append(f"causal_lm: examples are rows of {config.max_length} tokens, all trained but the first")
     return Plan(
         gpus=gpus, micro_batch=config.batch_size, accumulation=config.gradient_accumulation_steps,
-        global_batch=sampler.examples_per_step, train_examples=len(train_ds), val_examples=len(val_ds),
-        epoch_tokens=int(lengths.sum()), epoch_trained=int(n_trained.sum()),
-        steps_per_epoch=sampler.steps_per_epoch,
-        dropped_per_epoch=len(train_ds) - sampler.steps_per_epoch * sampler.examples_per_step,
-        total_steps=total_steps, run=run, warmup_steps=config.warmup_steps,
+        global_batch=data.global_batch, train_examples=data.train_examples, val_examples=data.val_examples,
+        epoch_tokens=data.epoch_tokens, epoch_trained=data.epoch_trained, steps_per_epoch=data.steps_per_epoch,
+        dropped_per_epoch=data.dropped_per_epoch, total_steps=total_steps, run=data.run,
+        warmup_steps=config.warmup_steps,
         suggested_warmup=(math.ceil(0.05 * total_steps), math.ceil(0.10 * total_steps)),
         suggested_anneal=max(1, total_steps - 1 - config.warmup_steps),
         lr_first_last=(learning_rate(0, config, total_steps), learning_rate(total_steps - 1, config, total_steps)),
@@ -366,7 +427,8 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
         tokens_per_second=tokens_per_second, throughput_source=source, notes=notes)
 
 
-def _existing_parent(path: Path) -> Path:
+def existing_parent(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where a folder not made yet will be made)."""
     path = path.resolve()
     while not path.exists():
         path = path.parent

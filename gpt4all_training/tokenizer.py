@@ -199,7 +199,8 @@ def build_tokenizer(config: TokenizerConfig) -> tuple[PreTrainedTokenizerFast, O
     tokenizer = train_bpe_tokenizer(texts, config.vocab_size, config.min_frequency, tuple(config.special_tokens),
                                     config.split_indentation)
     if tokenizer.vocab_size <= 256 + len(config.special_tokens):
-        raise UserError(f"dataset_path {config.dataset_path}: no text to learn merges from (check text_field)")
+        raise UserError(f"dataset_path {config.dataset_path}: no merges learned: the records have no text (check "
+                        f"text_field), or no pair of tokens occurs min_frequency ({config.min_frequency}) times")
     sample = [t for t in held_out.texts if t]
     stats = tokenizer_stats(tokenizer, sample, config.code_language) if sample else None
     return tokenizer, stats

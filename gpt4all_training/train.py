@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import resource
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -22,14 +24,16 @@ import yaml
 from .checkpoint import GracefulStop, resume_training, save_step_checkpoint
 from .config import TrainConfig, load_config
 from .data import load_data
-from .distributed import (backward, build_accelerator, finish, micro_batch, replica_mismatches, stepping_optimizer,
-                          whole_copy, whole_model_init)
-from .errors import TrainingError
+from .distributed import (backward, build_accelerator, device_batch, finish, micro_batch, replica_mismatches,
+                          saveable_state_dict, step_boundary, stepping_optimizer, whole_copy, whole_model_init,
+                          xla_metrics)
+from .errors import TrainingError, UserError
 from .evaluate import evaluate_loss
 from .hub import push_folder
 from .loss import real_token_count, token_loss_sum, trained_token_count
 from .modeling import apply_lora, count_parameters, load_model, load_tokenizer, param_groups
 from .packing import batch_fetcher, check_isolation
+from .pretrain_data import CausalLMLoss, RowSampler, build_model_from_config, fetch_rows, load_pretrain_data
 from .report import write_report
 from .sampler import StepSampler
 from .schedule import learning_rate
@@ -61,8 +65,13 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 
 def train_step(model, batches: list[dict[str, torch.Tensor]], accelerator, optimizer, scheduler,
-               max_grad_norm: float | None, step: int) -> dict[str, float]:
-    """One optimiser step over this rank's micro-batches. Returns the global, token-weighted step loss and counts."""
+               max_grad_norm: float | None, step: int, loss_fn=token_loss_sum,
+               nan_policy: str = "stop") -> dict[str, float]:
+    """One optimiser step over this rank's micro-batches. Returns the global, token-weighted step loss and counts.
+
+    A non-finite loss stops the run, or with nan_policy "skip" drops this step's update: every rank sees the same
+    reduced loss, so all of them skip together, and the scheduler still steps (the lr stays a function of the step).
+    """
     device = accelerator.device
     local = torch.tensor([sum(trained_token_count(b) for b in batches),
                           sum(real_token_count(b) for b in batches),
@@ -72,28 +81,32 @@ def train_step(model, batches: list[dict[str, torch.Tensor]], accelerator, optim
     scale = accelerator.num_processes / max(n_trained, 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, batch in enumerate(batches):
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = device_batch(batch, accelerator)  # under XLA padded to a fixed width bucket: no recompiles
         last = i == len(batches) - 1
         with micro_batch(accelerator, model, last):
             with accelerator.autocast():
-                micro_loss = token_loss_sum(model, batch)
+                micro_loss = loss_fn(model, batch)
             backward(accelerator, micro_loss * scale)
         loss_sum += micro_loss.detach().double()
     loss = (accelerator.reduce(loss_sum, reduction="sum") / max(n_trained, 1.0)).item()
-    if not math.isfinite(loss):
+    skipped = not math.isfinite(loss)
+    if skipped and nan_policy != "skip":
         raise TrainingError(f"step {step + 1}: the loss is {loss}; lower lr, check the data, or use float32")
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+    grad_norm = float("nan") if skipped else accelerator.clip_grad_norm_(model.parameters(),
+                                                                         max_grad_norm or float("inf"))
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
+    if not skipped:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    step_boundary(accelerator)  # XLA: one graph per step
     return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "n_trained": n_trained, "n_real": n_real, "n_padded": n_padded}
+            "n_trained": n_trained, "n_real": n_real, "n_padded": n_padded, "skipped": int(skipped)}
 
 
 def save_final(accelerator, model, tokenizer, folder: Path, merge_lora: bool) -> None:
     """final/: the model (or adapter), tokenizer and generation config in safetensors; optionally final/merged/."""
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = saveable_state_dict(accelerator, model)
     unwrapped = accelerator.unwrap_model(model)
     if not accelerator.is_main_process:
         return
@@ -114,32 +127,58 @@ def save_final(accelerator, model, tokenizer, folder: Path, merge_lora: bool) ->
         generation.save_pretrained(folder / "merged")
 
 
+def require_writable(output_dir: Path) -> None:
+    """Create output_dir and prove a file can be written in it: a read-only one would otherwise fail only at the first
+    log line or checkpoint, after the data and model are loaded."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as exc:
+        raise UserError(f"output_dir {output_dir}: not writable ({exc.strerror or type(exc).__name__}); fix its "
+                        f"permissions or choose another output_dir") from None
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
     accelerator = build_accelerator(config)
     log = accelerator.print
     torch.manual_seed(config.seed)
     output_dir = Path(config.output_dir)
+    require_writable(output_dir)
+    if config.nan_policy == "skip" and accelerator.state.deepspeed_plugin is not None:
+        raise UserError("nan_policy: 'skip' is not available under DeepSpeed, whose engine applies the update inside "
+                        "backward, before the step's loss is known; use 'stop'")
 
     # --- data ---
     tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
                                config.trust_remote_code)
     with accelerator.main_process_first():
-        (train_ds, val_ds), (train_stats, val_stats) = load_data(config, tokenizer)
+        if config.objective == "causal_lm":  # raw text cut into constant-length rows (pretrain_data.py)
+            (train_ds, val_ds), (train_stats, val_stats) = load_pretrain_data(config, tokenizer, log)
+        else:
+            (train_ds, val_ds), (train_stats, val_stats) = load_data(config, tokenizer)
     log(train_stats.describe("train"))
     log(val_stats.describe("validation"))
 
     # --- model and optimiser ---
     with whole_model_init(accelerator):  # ZeRO-3: prepare() partitions it, not from_pretrained
-        model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
-                           torch.float32, config.gradient_checkpointing)
+        if config.init == "from_config":
+            model = build_model_from_config(config, tokenizer)  # random weights, seeded above
+        else:
+            model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                               torch.float32, config.gradient_checkpointing)
         if config.lora:
             model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout,
                                config.lora_target_modules, config.gradient_checkpointing)
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
-    sampler = StepSampler(len(train_ds), config.batch_size, accelerator.num_processes, accelerator.process_index,
-                          config.gradient_accumulation_steps, config.seed,
-                          lengths=train_ds["length"] if config.group_by_length else None)
+    if config.objective == "causal_lm":
+        sampler = RowSampler(train_ds, config.batch_size, accelerator.num_processes, accelerator.process_index,
+                             config.gradient_accumulation_steps, config.seed, config.max_steps)
+    else:
+        sampler = StepSampler(len(train_ds), config.batch_size, accelerator.num_processes, accelerator.process_index,
+                              config.gradient_accumulation_steps, config.seed,
+                              lengths=train_ds["length"] if config.group_by_length else None)
     total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.999),
                                   eps=1e-8)
@@ -167,13 +206,18 @@ def train(config: TrainConfig) -> dict[str, Any]:
     val: dict[str, float] = {}
     window = {"time": time.perf_counter(), "real": 0.0, "trained": 0.0, "padded": 0.0}
     run_totals = {"seconds": 0.0, "real": 0.0, "trained": 0.0, "padded": 0.0}
-    fetch = batch_fetcher(config.packing, config.max_length)
+    skipped_steps = {"row": 0, "run": 0}  # nan_policy skip: since the last logged row, and in this process
+    fetch = fetch_rows if config.objective == "causal_lm" else batch_fetcher(config.packing, config.max_length)
+    loss_fn = CausalLMLoss(config.z_loss) if config.objective == "causal_lm" else token_loss_sum
     model.train()
     stop = GracefulStop()  # SIGTERM/SIGINT: finish the step, checkpoint, exit 128+signal
     while state["step"] < total_steps:
         step = state["step"]
         batches = [fetch(train_ds, indices, pad_id) for indices in sampler.step_indices(step)]
-        result = train_step(model, batches, accelerator, optimizer, scheduler, config.max_grad_norm, step)
+        result = train_step(model, batches, accelerator, optimizer, scheduler, config.max_grad_norm, step, loss_fn,
+                            config.nan_policy)
+        skipped_steps["row"] += result["skipped"]
+        skipped_steps["run"] += result["skipped"]
         state = {"step": step + 1, "epoch": (step + 1) / sampler.steps_per_epoch,
                  "trained_tokens": state["trained_tokens"] + int(result["n_trained"])}
         for key in ("real", "trained", "padded"):
@@ -186,7 +230,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
                    "tokens_per_s": window["real"] / seconds, "trained_tokens_per_s": window["trained"] / seconds,
                    "padding_fraction": 1 - window["real"] / max(window["padded"], 1.0),
                    "trained_tokens": state["trained_tokens"], "epoch": state["epoch"],
-                   **peak_memory(accelerator.device)}
+                   **peak_memory(accelerator.device), **xla_metrics(accelerator)}
+            if isinstance(loss_fn, CausalLMLoss):
+                row.update(loss_fn.window_metrics(accelerator))  # train/last_loss, train/z_loss (a collective)
+            if config.nan_policy == "skip":  # summed over metrics.jsonl: the run's skipped steps, across resumes
+                row["skipped_steps"], skipped_steps["row"] = skipped_steps["row"], 0
             run_totals["seconds"] += seconds
             for key in ("real", "trained", "padded"):
                 run_totals[key] += window[key]
@@ -228,6 +276,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
                "padding_fraction": round(1 - run_totals["real"] / max(run_totals["padded"], 1.0), 4),
                **peak_memory(accelerator.device), "train_examples": len(train_ds),
                "val_examples": len(val_ds)}
+    if config.nan_policy == "skip":
+        summary["skipped_steps"] = skipped_steps["run"]
     if accelerator.is_main_process:
         tracker.close()
         report = write_report(output_dir, summary)
@@ -250,6 +300,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. lr=1e-4 max_steps=5")
 
 
+def lost_peer_error(exc: RuntimeError) -> TrainingError | None:
+    """A collective that failed because another rank died (gloo: "Connection closed by peer") or stopped answering
+    for ddp_timeout_s, as one line; None for any other error, which keeps its traceback."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    first = (str(exc).splitlines() or [""])[0]
+    if not isinstance(exc, dist.DistError) and "gloo/" not in first:
+        return None
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:200]  # without gloo's "[file.cc:12]" and advice
+    return TrainingError(f"rank {dist.get_rank()} of {dist.get_world_size()}: another process of this run died or "
+                         f"stopped answering ({reason}); find the first error in the other ranks' output, then "
+                         f"rerun with resume=auto to continue from the last checkpoint")
+
+
 def run(args: argparse.Namespace) -> int:
-    summary = train(load_config(args.config, args.overrides))
+    config = load_config(args.config, args.overrides)
+    try:
+        summary = train(config)
+    except RuntimeError as exc:
+        lost = lost_peer_error(exc)
+        if lost is None:
+            raise
+        raise lost from None
     return summary.get("exit_code", 0)  # 128 + signal when SIGTERM/SIGINT stopped it early with a checkpoint

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DOLLY, build_tiny_gptj, write_jsonl
+from conftest import DOLLY, write_jsonl
 from gpt4all_training import check
 from gpt4all_training.check import GIB, memory_problem, room_problem, run, run_checks
 from gpt4all_training.plan import Memory
@@ -147,8 +147,8 @@ def test_output_dir_unwritable_or_full(base_values, tmp_path, monkeypatch):
     # The tiny GPT-J: 228,328 fp32 parameters plus two Adam moments = 12 bytes each.
     monkeypatch.setattr(check.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 1_000_000))
     full = outcomes_of(tmp_path, base_values)
-    assert full["output_dir"] == (f"FAIL  output_dir: {tmp_path / 'out'}: 0.00 GiB free but one checkpoint needs "
-                                  f"about 0.00 GiB (fp32 weights and Adam states); free some space or choose another "
+    assert full["output_dir"] == (f"FAIL  output_dir: {tmp_path / 'out'}: 1.0 MiB free but one checkpoint needs "
+                                  f"about 2.6 MiB (fp32 weights and Adam states); free some space or choose another "
                                   f"output_dir")
     assert room_problem(1_000_000, 12 * 228_328) is not None and room_problem(12 * 228_328, 12 * 228_328) is None
 

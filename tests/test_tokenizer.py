@@ -70,6 +70,14 @@ def test_roundtrip_is_exact_for_any_unicode(roundtrip_tokenizer, text):
     assert roundtrip_tokenizer.unk_token_id not in ids or EOS in text  # byte alphabet: nothing is unknown
 
 
+@settings(max_examples=100, derandomize=True, deadline=None)
+@given(text=st.text(max_size=200))
+@example(text="\n    \tcode\r\n" + EOS + "\u00e9\U0001F600")
+def test_gpt2_style_fixture_tokenizer_roundtrips_too(tokenizer, text):
+    """The session fixture's tokenizer (no indentation split, as every other test's tiny model uses)."""
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
 def test_python_tokenizer_keeps_four_space_indentation_as_one_token(code_tokenizer_dir):
     from transformers import AutoTokenizer
 

@@ -102,15 +102,17 @@ def train_command(launcher: list[str], config: Path, output_dir: Path, *override
     return [*launcher, "train.py", "--config", str(config), f"output_dir={output_dir}", *overrides]
 
 
-def launch(commands: list[list[str]], output_dir: Path, timeout: float = 1200) -> Run:
-    """Start every command at once (one per machine of a multi-node run), wait for all, require exit code 0."""
+def launch(commands: list[list[str]], output_dir: Path, timeout: float = 1200,
+           env: dict[str, str] | None = None) -> Run:
+    """Start every command at once (one per machine of a multi-node run), wait for all, require exit code 0.
+    `env` adds variables to the launch environment."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     logs = [output_dir.with_name(f"{output_dir.name}.{i}.log") for i in range(len(commands))]
     start = time.perf_counter()
     processes = []
     for command, log in zip(commands, logs):
         with open(log, "w") as sink:
-            processes.append(subprocess.Popen(command, cwd=REPO, env=launch_env(), stdout=sink,
+            processes.append(subprocess.Popen(command, cwd=REPO, env={**launch_env(), **(env or {})}, stdout=sink,
                                               stderr=subprocess.STDOUT))
     try:
         codes = [process.wait(timeout=timeout) for process in processes]

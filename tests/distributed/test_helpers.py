@@ -1,10 +1,11 @@
-"""The per-tensor checksum that compares each rank's copy of the weights with rank 0's (no launch needed)."""
+"""Pure helpers of distributed.py: the per-tensor checksum that compares each rank's weights with rank 0's, and the
+width buckets that keep shapes static under XLA (no launch needed)."""
 
 from __future__ import annotations
 
 import torch
 
-from gpt4all_training.distributed import fingerprint
+from gpt4all_training.distributed import bucket_width, fingerprint
 
 
 def test_fingerprint_is_equal_for_equal_tensors_and_changes_with_one_bit():
@@ -25,3 +26,8 @@ def test_fingerprint_of_a_large_tensor_is_the_position_weighted_sum_of_its_bits(
     assert fingerprint(weights) == (bits * torch.arange(1, bits.numel() + 1)).sum()
     half = weights.bfloat16()
     assert fingerprint(half) == (half.view(torch.int16).to(torch.int64) * torch.arange(1, half.numel() + 1)).sum()
+
+
+def test_bucket_width_is_the_next_power_of_two_from_64():
+    assert [bucket_width(w) for w in (1, 16, 64, 65, 128, 129, 1000, 1024, 1025)] == \
+        [64, 64, 64, 128, 128, 256, 1024, 1024, 2048]
