@@ -123,7 +123,9 @@ def tokenize_batch(batch: dict[str, list], tokenizer, max_length: int, template:
     prompts = [p if isinstance(p, str) else "" for p in batch["prompt"]]
     responses = [r if isinstance(r, str) else "" for r in batch["response"]]
     prompt_ids = encode_prompts(prompts, tokenizer, template)
-    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    # Text that spells a special token ("<|endoftext|>" quoted in an answer) stays text: an EOS mid-answer would
+    # teach the model to stop there.
+    response_ids = tokenizer(responses, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     keep_head = keep_head_for(tokenizer, template)
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_trained", "length", "truncated_prompt",
                                             "truncated_response", "drop_reason")}

@@ -19,7 +19,7 @@ WANDB_ID_FILE = "wandb_run_id"
 
 def public_config(config: dict[str, Any]) -> dict[str, Any]:
     """The config as it may be logged: anything that looks like a credential is left out."""
-    return {k: v for k, v in config.items() if not any(s in k.lower() for s in SECRET_KEYS)}
+    return {k: v for k, v in config.items() if not k.lower().endswith(SECRET_KEYS)}
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -8,7 +8,6 @@ database, so CI runs the same cases every time; together they take well under a 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,7 +41,6 @@ TEXT = st.one_of(
 
 # ---------------------------------------------------------------- clean.py
 
-WORK = Path(tempfile.mkdtemp(prefix="properties-"))  # one folder, rewritten by every example
 FIELDS = st.sampled_from(["prompt", "response", "source", "instruction", "context", "category", "message_tree_id",
                           "role", "text", "replies", "deleted", "value", "description"])
 SURROGATE_TEXT = st.text(st.characters(codec=None, categories=("Cs", "Ll")), max_size=4)
@@ -62,12 +60,18 @@ def lines_of(content: bytes) -> int:
     return content.count(b"\n") + (1 if content and not content.endswith(b"\n") else 0)
 
 
-def clean_bytes(content: bytes):
-    source = WORK / "input.jsonl"
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """One folder, rewritten by every example."""
+    return tmp_path_factory.mktemp("properties")
+
+
+def clean_bytes(work: Path, content: bytes):
+    source = work / "input.jsonl"
     source.write_bytes(content)
-    report = clean_file(source, WORK / "input_clean.jsonl", Filters(), set())
+    report = clean_file(source, work / "input_clean.jsonl", Filters(), set())
     # Lines end at "\n" only: str.splitlines would also cut at U+0085 or U+2028, which clean.py writes unescaped.
-    with open(WORK / "input_clean.jsonl", encoding="utf-8", newline="") as f:
+    with open(work / "input_clean.jsonl", encoding="utf-8", newline="") as f:
         rows = [json.loads(line) for line in f]
     return report, rows
 
@@ -85,8 +89,8 @@ def assert_accounted(content: bytes, report, rows) -> None:
 @given(st.lists(st.one_of(st.binary(max_size=60), st.tuples(JSON_VALUES, st.booleans()).map(
     lambda pair: encode_line(*pair))), max_size=8).map(b"\n".join))
 @example(b"\xef\xbb\xbf{\"prompt\": \"ab\", \"response\": \"c\"}\r\n\xff\xfe\n\n[" * 3 + b"[" * 100_000)
-def test_clean_never_crashes_on_arbitrary_bytes(content):
-    report, rows = clean_bytes(content)
+def test_clean_never_crashes_on_arbitrary_bytes(work, content):
+    report, rows = clean_bytes(work, content)
     assert_accounted(content, report, rows)
 
 
@@ -95,7 +99,7 @@ def test_clean_never_crashes_on_arbitrary_bytes(content):
     st.tuples(st.just("any"), JSON_VALUES),
     st.tuples(st.just("valid"), st.tuples(TEXT, TEXT.filter(str.strip))),
 ), max_size=10), st.booleans(), st.booleans())
-def test_clean_keeps_valid_records_unchanged_among_arbitrary_json(lines, ascii_only, crlf):
+def test_clean_keeps_valid_records_unchanged_among_arbitrary_json(work, lines, ascii_only, crlf):
     """A gpt4all record with a real prompt and a non-blank response comes out exactly as it went in, whatever
     arbitrary JSON surrounds it. Each one's prompt ends in a unique "#i" and its source is "valid:i", so none is a
     duplicate of another and it can be picked out of the output."""
@@ -106,7 +110,7 @@ def test_clean_keeps_valid_records_unchanged_among_arbitrary_json(lines, ascii_o
             expected.append({"source": value["source"], "prompt": value["prompt"], "response": value["response"]})
         encoded.append(encode_line(value, ascii_only))
     content = b"".join(line + (b"\r\n" if crlf else b"\n") for line in encoded)
-    report, rows = clean_bytes(content)
+    report, rows = clean_bytes(work, content)
     assert_accounted(content, report, rows)
     assert [row for row in rows if row["source"].startswith("valid:")] == expected
 
@@ -182,13 +186,10 @@ def test_lone_surrogates_never_reach_tokenisation(tmp_path):
     with pytest.raises(UserError, match=r"unreadable JSONL \(JSON parse error: The surrogate pair in string is "
                                         r"invalid\. in row 0\); run clean\.py on it first"):
         load_records(str(tmp_path))
-    report, rows = clean_bytes(b'{"prompt": "a\\ud800b", "response": "ok"}\n')
+    report, rows = clean_bytes(tmp_path, b'{"prompt": "a\\ud800b", "response": "ok"}\n')
     assert (dict(report.dropped), rows) == ({"invalid_unicode": 1}, [])
 
 
-@pytest.mark.xfail(strict=True, reason="text that spells a special token (<|endoftext|>) is tokenised as that "
-                   "token: an EOS inside a response is trained mid-answer; needs split_special_tokens in data.py "
-                   "(RELIABILITY.md)")
 def test_special_token_text_in_a_response_is_not_an_eos(tokenizer):
     out = tokenize_batch({"prompt": ["Quote it."], "response": ["It says <|endoftext|> here."]}, tokenizer, 64,
                          "plain")
@@ -218,8 +219,8 @@ YAML_DOCUMENTS = st.one_of(
 @example(text=f"{'k' * 5000}: 1\n")
 @example(text="report_to: [&a [x, x, x, x, x, x, x, x], &b [*a, *a, *a, *a, *a, *a, *a, *a], &c [*b, *b, *b, *b, *b, "
               "*b, *b, *b], &d [*c, *c, *c, *c, *c, *c, *c, *c], [*d, *d, *d, *d, *d, *d, *d, *d]]\n")  # 37k from 40
-def test_any_yaml_loads_or_is_one_line_naming_a_key_or_the_file(text, capsys):
-    path = WORK / "config.yaml"
+def test_any_yaml_loads_or_is_one_line_naming_a_key_or_the_file(work, text, capsys):
+    path = work / "config.yaml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
     try:
         config = load_config(path, ["model_name=m", "dataset_path=d"])

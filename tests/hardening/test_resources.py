@@ -38,6 +38,7 @@ def test_loading_a_model_holds_one_copy_of_its_weights(medium_model_dir, tiny_mo
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"peak RSS added per weight byte: load_model {measured['load_model']:.3f}, naive {measured['naive']:.3f}")
     assert measured["weight_bytes"] == 13_241_408 * 4
     assert measured["load_model"] < 1.25, measured
     assert measured["naive"] > 1.8, measured  # the same measurement does see a second copy
