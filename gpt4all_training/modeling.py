@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 from pathlib import Path
@@ -43,6 +44,21 @@ def is_adapter_folder(name: str) -> bool:
     return (Path(name) / "adapter_config.json").is_file()
 
 
+@contextlib.contextmanager
+def loading_errors(what: str):
+    """from_pretrained failures a user can fix become one UserError line: a missing or unreadable model, custom code
+    without trust_remote_code, a pickle that would run code. Anything else is a bug and raises as it is."""
+    try:
+        yield
+    except OSError as exc:
+        raise UserError(f"{what}: cannot load ({str(exc).splitlines()[0]})") from None
+    except (ValueError, pickle.UnpicklingError) as exc:
+        refused = refusal(what, exc)
+        if refused is None:
+            raise
+        raise refused from None
+
+
 def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None = None,
                    trust_remote_code: bool = False):
     """A fast tokenizer with a pad token: EOS stands in when the model has none (no new tokens are ever added)."""
@@ -51,16 +67,9 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
     source, extra = model_source(name, gguf_file)
     if is_adapter_folder(source) and not (Path(source) / "tokenizer_config.json").is_file():
         source = adapter_base(source)
-    try:
+    with loading_errors(f"tokenizer {name}"):
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
                                                   trust_remote_code=trust_remote_code, **extra)
-    except OSError as exc:
-        raise UserError(f"tokenizer {name}: cannot load ({str(exc).splitlines()[0]})") from None
-    except (ValueError, pickle.UnpicklingError) as exc:
-        refused = refusal(f"tokenizer {name}", exc)
-        if refused is None:
-            raise
-        raise refused from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -83,17 +92,10 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
         base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, gradient_checkpointing)
         return PeftModel.from_pretrained(base, name)
     source, extra = model_source(name, gguf_file)
-    try:
+    with loading_errors(f"model_name {name}"):
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
                                                      low_cpu_mem_usage=True, trust_remote_code=trust_remote_code,
                                                      **extra)
-    except OSError as exc:
-        raise UserError(f"model_name {name}: cannot load ({str(exc).splitlines()[0]})") from None
-    except (ValueError, pickle.UnpicklingError) as exc:
-        refused = refusal(f"model_name {name}", exc)
-        if refused is None:
-            raise
-        raise refused from None
     if extra.get("gguf_file"):
         # GGUF weights arrive dequantised; drop the quantisation marker so the model saves as ordinary safetensors.
         if hasattr(model.config, "quantization_config"):

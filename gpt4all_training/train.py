@@ -244,6 +244,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             window = {"time": time.perf_counter(), "real": 0.0, "trained": 0.0, "padded": 0.0}
 
         at_end = state["step"] == total_steps
+        paused = time.perf_counter()  # evaluation and saving are not training: keep them out of tokens/s
         if len(val_ds) and ((config.eval_every and state["step"] % config.eval_every == 0) or at_end):
             val = evaluate_loss(model, val_ds, accelerator, config.batch_size, pad_id, config.eval_steps)
             tracker.log(val, state["step"])
@@ -253,6 +254,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if (config.save_every and state["step"] % config.save_every == 0 and not at_end) or stopping:
             save_step_checkpoint(output_dir, state, sampler, accelerator, model, optimizer, scheduler, config_yaml,
                                  config.keep_last, config.keep_every)
+        window["time"] += time.perf_counter() - paused
         if stopping:
             break
     progress.close()
