@@ -115,7 +115,7 @@ def main() -> None:
     map_result = build_map(runs["after"], out / "map.html", compare=runs["before"])
 
     step("7. export as GGUF (Q8_0) for GPT4All and llama.cpp", started)
-    files = export(str(merged), str(out / "gguf"), "gguf", "q8_0")
+    files = export(str(merged), str(out / "smollm2-135m-demo"), "gguf", "q8_0")
     gguf = next(f for f in files if f.suffix == ".gguf")
 
     step("done", started)
