@@ -15,6 +15,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def step(message: str, started: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="demo_out", help="where everything is written")
+    parser.add_argument("--out", default="demo_out", help="where everything is written (emptied first)")
     parser.add_argument("--train-examples", type=int, default=480)
     parser.add_argument("--test-examples", type=int, default=60)
     args = parser.parse_args()
@@ -62,6 +63,7 @@ def main() -> None:
 
     started = time.perf_counter()
     out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)  # every run starts afresh, so `make demo` can be repeated
     base = smollm2_gguf()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
