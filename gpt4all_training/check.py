@@ -387,14 +387,13 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
 def model_checks(config, record):
     """Tokenizer and memory checks (and for init from_config, the config the model is built from); returns the
     model's shape (for the checkpoint size) or None."""
-    from .modeling import load_tokenizer
+    from .modeling import tokenizer_for
     from .plan import model_config_of, model_shape
     from .pretrain_data import resolve_model_config
 
     from_scratch = config.init == "from_config"
     try:
-        tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision,
-                                   config.gguf_file, config.trust_remote_code)
+        tokenizer = tokenizer_for(config)
     except UserError as exc:
         record(failed("tokenizer", str(exc)))
         return None

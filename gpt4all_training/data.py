@@ -320,11 +320,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .modeling import load_tokenizer
+    from .modeling import tokenizer_for
 
     config = load_config(args.config, args.overrides)
-    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
-                               config.trust_remote_code)
+    tokenizer = tokenizer_for(config)
     (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
     for row in train.select(range(min(args.show, len(train)))):
         print(f"--- example {row['index']} ({row['n_trained']} trained tokens; [[masked]] text is not trained)")

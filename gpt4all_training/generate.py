@@ -257,7 +257,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .modeling import load_model, load_tokenizer
+    from .modeling import load_model, tokenizer_for
 
     config = load_config(args.config, args.overrides, cls=GenerateConfig, check=None)
     if args.prompt is not None:
@@ -266,8 +266,7 @@ def run(args: argparse.Namespace) -> int:
         config.prompts_file, config.prompt = args.prompts_file, None
     validate_generate(config)
     prompts = read_prompts_file(config.prompts_file) if config.prompts_file else None
-    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
-                               config.trust_remote_code)
+    tokenizer = tokenizer_for(config)
     model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                        dtype=getattr(torch, config.dtype))
     model.to(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")).eval()

@@ -334,14 +334,13 @@ def progress_bar(total: int, runtime: Runtime):
 
 def run_inference(config: InferenceConfig) -> Optional[Path]:
     """Score every example on this process's share; the main process returns the merged Parquet's path."""
-    from .modeling import load_model, load_tokenizer
+    from .modeling import load_model, tokenizer_for
 
     runtime = init_runtime()
     try:
         torch.manual_seed(config.seed)
         output_dir = Path(config.output_dir)
-        tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision,
-                                   config.gguf_file, config.trust_remote_code)
+        tokenizer = tokenizer_for(config)
         with main_process_first(runtime):
             if runtime.is_main:
                 shutil.rmtree(output_dir / "shards", ignore_errors=True)  # left by a crashed run

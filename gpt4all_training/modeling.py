@@ -75,6 +75,12 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
     return tokenizer
 
 
+def tokenizer_for(config):
+    """The tokenizer a train, inference, generate, plan or check config names (its model's, unless tokenizer_name)."""
+    return load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
+                          config.trust_remote_code)
+
+
 def adapter_base(adapter_dir: str) -> str:
     config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
     return config["base_model_name_or_path"]

@@ -376,13 +376,12 @@ def plan_pretrain_data(config, tokenizer, gpus: int) -> DataPlan:
 
 
 def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
-    from .modeling import load_tokenizer
+    from .modeling import tokenizer_for
     from .schedule import learning_rate
 
     if gpus < 1:
         raise UserError(f"--gpus: must be at least 1, got {gpus}")
-    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
-                               config.trust_remote_code)
+    tokenizer = tokenizer_for(config)
     pretraining = config.objective == "causal_lm"
     data = (plan_pretrain_data if pretraining else plan_finetune_data)(config, tokenizer, gpus)
     total_steps = data.total_steps

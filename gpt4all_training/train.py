@@ -31,16 +31,13 @@ from .errors import TrainingError, UserError
 from .evaluate import evaluate_loss
 from .hub import push_folder
 from .loss import real_token_count, token_loss_sum, trained_token_count
-from .modeling import apply_lora, count_parameters, load_model, load_tokenizer, param_groups
+from .modeling import apply_lora, count_parameters, load_model, param_groups, tokenizer_for
 from .packing import batch_fetcher, check_isolation
 from .pretrain_data import CausalLMLoss, RowSampler, build_model_from_config, fetch_rows, load_pretrain_data
 from .report import write_report
 from .sampler import StepSampler
 from .schedule import learning_rate
 from .tracking import Tracker
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def total_optimizer_steps(steps_per_epoch: int, num_epochs: int, max_steps: int | None) -> int:
     """Optimiser steps of the whole run, across epochs: the one number the schedule, plan and loop share."""
@@ -150,8 +147,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                         "backward, before the step's loss is known; use 'stop'")
 
     # --- data ---
-    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
-                               config.trust_remote_code)
+    tokenizer = tokenizer_for(config)
     with accelerator.main_process_first():
         if config.objective == "causal_lm":  # raw text cut into constant-length rows (pretrain_data.py)
             (train_ds, val_ds), (train_stats, val_stats) = load_pretrain_data(config, tokenizer, log)
