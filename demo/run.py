@@ -40,6 +40,14 @@ def accuracy(model, tokenizer, records: list[dict]) -> tuple[float, list[str]]:
     return sum(exact_match(a, r["response"]) for a, r in zip(answers, records)) / len(records), answers
 
 
+def accuracy_by_family(records: list[dict], answers: list[str]) -> dict[str, float]:
+    """Exact match per task family, so the summary shows which skills fine-tuning taught."""
+    hits: dict[str, list[bool]] = {}
+    for record, answer in zip(records, answers):
+        hits.setdefault(record["source"], []).append(exact_match(answer, record["response"]))
+    return {family: sum(h) / len(h) for family, h in sorted(hits.items())}
+
+
 def step(message: str, started: float) -> None:
     print(f"\n=== [{time.perf_counter() - started:6.1f} s] {message}", flush=True)
 
@@ -122,13 +130,17 @@ def main() -> None:
 
     step("done", started)
     print(f"exact match on {len(test)} held-out examples: before {before:.1%}, after {after:.1%}")
+    by_family = {"before": accuracy_by_family(test, before_answers), "after": accuracy_by_family(test, after_answers)}
+    for family in by_family["after"]:
+        print(f"  {family:16} before {by_family['before'][family]:6.1%}  after {by_family['after'][family]:6.1%}")
     print(f"validation loss after fine-tuning: {summary.get('val_loss', float('nan')):.4f}")
     print(f"loss curves: {out / 'run' / 'report.html'}")
     print(f"adapter: {out / 'run' / 'final'}; merged model: {merged}")
     print(f"map of the training data (loss change before -> after): {map_result.html}")
     print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
     (out / "demo_result.json").write_text(json.dumps({
-        "accuracy_before": before, "accuracy_after": after, "test_examples": len(test),
+        "accuracy_before": before, "accuracy_after": after, "accuracy_by_family": by_family,
+        "test_examples": len(test),
         "seconds": round(time.perf_counter() - started, 1), "val_loss": summary.get("val_loss"),
         "gguf": str(gguf), "map": str(map_result.html)}, indent=2))
 

@@ -128,14 +128,33 @@ def torch_save(obj: Any, path: Path) -> None:
         f.write(buffer.getbuffer())
 
 
-def load_tensors(path: Path, map_location: str | None = None) -> Any:
+def load_tensors(path: Path, map_location: str | None = None, mmap: bool = False) -> Any:
     """torch.load of a file of tensors and plain values only: a pickle that would construct anything else (and so
     could run code) is refused with a UserError naming the file, whatever its checksum says."""
     try:
-        return torch.load(path, weights_only=True, map_location=map_location)
+        return torch.load(path, weights_only=True, map_location=map_location, mmap=mmap)
     except pickle.UnpicklingError:
         raise UserError(f"checkpoint file {path}: holds objects other than tensors, and loading them could run code; "
-                        f"refused. Resume only from checkpoints this program wrote") from None
+                        f"refused. Use only checkpoints this program wrote") from None
+
+
+def deepspeed_pickled_types() -> list[type]:
+    """The classes DeepSpeed pickles into its checkpoints besides tensors: data holders, whose unpickling runs no
+    code a file chooses."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def check_deepspeed_files(folder: Path) -> None:
+    """Refuse a DeepSpeed checkpoint whose files hold more than tensors, plain values and deepspeed_pickled_types.
+    DeepSpeed reads its files with weights_only=False, which runs whatever code a pickle names, so each file is
+    opened by the weights-only unpickler first; memory-mapped, so this checks the structure without reading tensors."""
+    with torch.serialization.safe_globals(deepspeed_pickled_types()):
+        for path in sorted(folder.rglob("*.pt")):
+            load_tensors(path, map_location="cpu", mmap=True)
 
 
 def write_marker(folder: Path) -> None:
@@ -299,6 +318,7 @@ def load_checkpoint(folder: Path, accelerator, model, optimizer, scheduler) -> d
         if not (folder / "deepspeed").is_dir():
             raise UserError(f"checkpoint {folder}: written without DeepSpeed, so it has no engine state to resume "
                             f"a DeepSpeed run from; resume it with the launcher it was written with")
+        check_deepspeed_files(folder / "deepspeed")
         load_engine_state(engine, folder / "deepspeed")
     else:
         if not (folder / "optimizer.pt").is_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -107,12 +108,25 @@ def tokenized_features(features):
                      "truncated_response": Value("bool"), "drop_reason": Value("string")})
 
 
+def is_text(value: Any) -> bool:
+    """A str the tokenizer can take: a lone surrogate (U+D800, decodable from JSON) cannot be encoded as UTF-8."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def drop_reason(prompt: Any, response: Any, response_ids: list[int], n_trained: int) -> str:
     """Why a row cannot be trained on, or "" to keep it."""
     if not isinstance(prompt, str):
         return "missing_prompt"
     if not isinstance(response, str):
         return "missing_response"
+    if not (is_text(prompt) and is_text(response)):
+        return "invalid_unicode"
     if not response_ids:
         return "empty_response"
     return "no_trained_tokens" if n_trained == 0 else ""
@@ -120,8 +134,8 @@ def drop_reason(prompt: Any, response: Any, response_ids: list[int], n_trained: 
 
 def tokenize_batch(batch: dict[str, list], tokenizer, max_length: int, template: str) -> dict[str, list]:
     """A batched `datasets.map` function: adds input_ids, labels and the bookkeeping columns for every row."""
-    prompts = [p if isinstance(p, str) else "" for p in batch["prompt"]]
-    responses = [r if isinstance(r, str) else "" for r in batch["response"]]
+    prompts = [p if is_text(p) else "" for p in batch["prompt"]]
+    responses = [r if is_text(r) else "" for r in batch["response"]]
     prompt_ids = encode_prompts(prompts, tokenizer, template)
     # Text that spells a special token ("<|endoftext|>" quoted in an answer) stays text: an EOS mid-answer would
     # teach the model to stop there.
@@ -154,6 +168,25 @@ def local_data_files(path: Path) -> list[str] | None:
     return None
 
 
+def first_bad_line(files: list[str]) -> str | None:
+    """"FILE line N: why" for the first line in `files` that is not one JSON object of valid text, else None.
+    Run only after datasets failed to read them, to name what its error leaves out."""
+    for file in files:
+        with open(file, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    return f"{file} line {number}: {type(exc).__name__}: {str(exc)[:120]}"
+                if not isinstance(record, dict):
+                    return f"{file} line {number}: not a JSON object"
+                if not all(is_text(v) for v in record.values() if isinstance(v, str)):
+                    return f"{file} line {number}: text with a lone surrogate, which is not valid Unicode"
+    return None
+
+
 def load_records(dataset_path: str, revision: str | None = None):
     """A `datasets.Dataset` with at least prompt and response columns, plus a stable `index` column."""
     import datasets
@@ -178,7 +211,8 @@ def load_records(dataset_path: str, revision: str | None = None):
         raise UserError(f"dataset_path {dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
     except datasets.exceptions.DatasetGenerationError as exc:
         cause = exc.__cause__ or exc
-        raise UserError(f"dataset_path {dataset_path}: unreadable JSONL ({str(cause).splitlines()[0][:200]}); "
+        where = first_bad_line(files) if files else None
+        raise UserError(f"dataset_path {dataset_path}: unreadable JSONL ({where or str(cause).splitlines()[0][:200]}); "
                         f"run clean.py on it first") from None
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
     if missing:

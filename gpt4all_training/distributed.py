@@ -139,12 +139,9 @@ def fill_deepspeed_config(ds_config: dict[str, Any], config, world_size: int, so
 
 @contextlib.contextmanager
 def whole_model_init(accelerator):
-    """Build models whole in this process, not partitioned at construction by transformers' ZeRO-3 zero.Init.
-
-    Under ZeRO-3, accelerate registers the DeepSpeed config with transformers, whose from_pretrained then partitions
-    each parameter into an empty placeholder as it is built. modeling.param_groups and count_parameters read real
-    shapes, so the model is loaded whole (each rank holds one copy in host memory until prepare() partitions it).
-    accelerate's own zero3_init_context_manager(enable=False) leaves transformers' switch on, hence this one.
+    """Build a model whole in this process, not partitioned at construction by transformers' ZeRO-3 zero.Init: what
+    whole_copy needs to merge an adapter into. (Training models are built partitioned, so that no rank holds a whole
+    copy.) accelerate's zero3_init_context_manager(enable=False) leaves transformers' switch on, hence this one.
     """
     if zero_stage(accelerator) != 3:
         yield

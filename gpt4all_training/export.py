@@ -139,10 +139,12 @@ def find_zero_checkpoint(folder: Path) -> tuple[Path, str] | None:
 
 
 def consolidate_zero_checkpoint(checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
-    """fp32 weights gathered from every rank's ZeRO-2/3 partition. DeepSpeed's reader unpickles its own files,
-    so only export checkpoints you wrote."""
+    """fp32 weights gathered from every rank's ZeRO-2/3 partition, once the files are checked to hold no code."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from .checkpoint import check_deepspeed_files
+
+    check_deepspeed_files(checkpoint_dir / tag)
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
 

@@ -98,10 +98,11 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
         base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, gradient_checkpointing)
         return PeftModel.from_pretrained(base, name)
     source, extra = model_source(name, gguf_file)
+    # transformers 5 always builds the model empty and loads weights into it (what low_cpu_mem_usage was), and
+    # under ZeRO-3 partitions each parameter as it is built, so no rank ever holds a whole fp32 copy.
     with loading_errors(f"model_name {name}"):
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
-                                                     low_cpu_mem_usage=True, trust_remote_code=trust_remote_code,
-                                                     **extra)
+                                                     trust_remote_code=trust_remote_code, **extra)
     if extra.get("gguf_file"):
         # GGUF weights arrive dequantised; drop the quantisation marker so the model saves as ordinary safetensors.
         if hasattr(model.config, "quantization_config"):
@@ -137,6 +138,11 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return trainable, total
+
+
+def resident_parameters(model: nn.Module) -> int:
+    """Parameter elements this process holds: its partitions under ZeRO-3 (ds_tensor), otherwise all of them."""
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

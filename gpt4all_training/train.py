@@ -25,13 +25,14 @@ from .checkpoint import GracefulStop, resume_training, save_step_checkpoint
 from .config import TrainConfig, load_config
 from .data import load_data
 from .distributed import (backward, build_accelerator, device_batch, finish, micro_batch, replica_mismatches,
-                          saveable_state_dict, step_boundary, stepping_optimizer, whole_copy, whole_model_init,
-                          xla_metrics)
+                          saveable_state_dict, step_boundary, stepping_optimizer, whole_copy, xla_metrics,
+                          zero_stage)
 from .errors import TrainingError, UserError
 from .evaluate import evaluate_loss
 from .hub import push_folder
 from .loss import real_token_count, token_loss_sum, trained_token_count
-from .modeling import apply_lora, count_parameters, load_model, param_groups, tokenizer_for
+from .modeling import (apply_lora, count_parameters, load_model, param_groups, resident_parameters,
+                       tokenizer_for)
 from .packing import batch_fetcher, check_isolation
 from .pretrain_data import CausalLMLoss, RowSampler, build_model_from_config, fetch_rows, load_pretrain_data
 from .report import write_report
@@ -157,17 +158,18 @@ def train(config: TrainConfig) -> dict[str, Any]:
     log(val_stats.describe("validation"))
 
     # --- model and optimiser ---
-    with whole_model_init(accelerator):  # ZeRO-3: prepare() partitions it, not from_pretrained
-        if config.init == "from_config":
-            model = build_model_from_config(config, tokenizer)  # random weights, seeded above
-        else:
-            model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
-                               torch.float32, config.gradient_checkpointing)
-        if config.lora:
-            model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout,
-                               config.lora_target_modules, config.gradient_checkpointing)
+    if config.init == "from_config":
+        model = build_model_from_config(config, tokenizer)  # random weights, seeded above
+    else:
+        model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                           torch.float32, config.gradient_checkpointing)
+    if config.lora:
+        model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
+                           config.gradient_checkpointing)
     trainable, total = count_parameters(model)
-    log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)"
+        + (f"; ZeRO-3 partitioned them as they were built: this rank holds {resident_parameters(model):,}"
+           if zero_stage(accelerator) == 3 else ""))
     if config.objective == "causal_lm":
         sampler = RowSampler(train_ds, config.batch_size, accelerator.num_processes, accelerator.process_index,
                              config.gradient_accumulation_steps, config.seed, config.max_steps)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -448,26 +450,57 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_zero_checkpoints_consolidate_to_the_trained_model(tiny_llama_dir, tmp_path):
-    """ZeRO-2, ZeRO-3 and a ZeRO-2 LoRA run: the export computes what the engine computed after its step."""
-    from transformers import AutoModelForCausalLM
-
-    script = tmp_path / "zero.py"
+@pytest.fixture(scope="module")
+def zero_runs(tiny_llama_dir, tmp_path_factory) -> Path:
+    """ZeRO-2, ZeRO-3 and a ZeRO-2 LoRA run of one step each, with the logits each engine computed after it."""
+    out = tmp_path_factory.mktemp("zero-runs")
+    script = out / "zero.py"
     script.write_text(ZERO_SCRIPT)
     try:
-        result = subprocess.run([PYTHON, str(script), str(tiny_llama_dir), str(tmp_path), str(free_port())],
+        result = subprocess.run([PYTHON, str(script), str(tiny_llama_dir), str(out), str(free_port())],
                                 capture_output=True, text=True, cwd=REPO, timeout=300)
     except subprocess.TimeoutExpired as exc:  # show where it stuck rather than only that it did
         output = b"".join(part if isinstance(part, bytes) else part.encode() for part in (exc.stdout, exc.stderr)
                           if part)
         pytest.fail(f"DeepSpeed run timed out; output tail:\n{output[-3000:].decode(errors='replace')}")
     assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_zero_checkpoints_consolidate_to_the_trained_model(zero_runs, tiny_llama_dir, tmp_path):
+    """ZeRO-2, ZeRO-3 and a ZeRO-2 LoRA run: the export computes what the engine computed after its step."""
+    from transformers import AutoModelForCausalLM
+
     for run in ("zero2", "zero3", "zero2-lora"):
-        step_dir = tmp_path / run / "step_1"
+        step_dir = zero_runs / run / "step_1"
         assert (step_dir / "pytorch_model").is_dir() and not (step_dir / "model" / "model.safetensors").exists()
         export(str(step_dir), str(tmp_path / f"{run}-out"), "hf", "f32")
-        expected = torch.load(tmp_path / run / "expected.pt", weights_only=True)
+        expected = torch.load(zero_runs / run / "expected.pt", weights_only=True)
         exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{run}-out"), dtype=torch.float32).eval()
         base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
         assert (logits(exported, expected["ids"]) - expected["logits"]).abs().max().item() <= 1e-5, run
         assert (logits(base, expected["ids"]) - expected["logits"]).abs().max().item() > 1e-2, run  # it trained
+
+
+class WritesMarker:
+    """Unpickling this calls open(marker, "w"): any pickle global could as well be os.system."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_zero_checkpoint_holding_code_is_refused_before_deepspeed_reads_it(zero_runs, tmp_path):
+    """DeepSpeed's own reader unpickles with weights_only=False; the export checks every file first."""
+    step_dir = shutil.copytree(zero_runs / "zero2" / "step_1", tmp_path / "step_1")
+    [optim] = sorted(step_dir.rglob("*rank_0*optim_states.pt"))
+    state = torch.load(optim, weights_only=False)
+    state["payload"] = WritesMarker(tmp_path / "marker")
+    torch.save(state, optim)
+    with pytest.raises(UserError) as error:
+        export(str(step_dir), str(tmp_path / "out"), "hf", "f32")
+    assert str(error.value) == (f"checkpoint file {optim}: holds objects other than tensors, and loading them could "
+                                f"run code; refused. Use only checkpoints this program wrote")
+    assert not (tmp_path / "marker").exists() and not (tmp_path / "out").exists()

@@ -70,8 +70,6 @@ def test_truncated_dataset_file_at_start_is_one_line_naming_it(hard_config, doll
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="data.load_records names the folder, not the file; needs a data.py change "
-                                       "(see RELIABILITY.md)")
 def test_truncated_file_in_a_dataset_folder_is_named(hard_config, dolly_rows, tmp_path, capsys):
     data = write_data(tmp_path / "data", dolly_rows)
     (data / "b_clean.jsonl").write_text((data / "b_clean.jsonl").read_text()[:-40])

@@ -133,7 +133,7 @@ def test_checkpoint_pickles_that_run_code_are_refused(nan_stopped, name, tmp_pat
     with pytest.raises(UserError) as error:
         load_checkpoint(folder, Accelerator(cpu=True), model, optimizer, scheduler)
     assert str(error.value) == (f"checkpoint file {folder / name}: holds objects other than tensors, and loading "
-                                f"them could run code; refused. Resume only from checkpoints this program wrote")
+                                f"them could run code; refused. Use only checkpoints this program wrote")
     assert not marker.exists()
     torch.load(folder / name, weights_only=False)
     assert marker.exists()
@@ -148,7 +148,7 @@ def test_resuming_from_a_checkpoint_with_a_code_pickle_is_one_line(nan_stopped, 
     assert result.returncode == 2, explain(result)
     assert error_lines(result.stderr) == [
         f"error: checkpoint file {folder / 'optimizer.pt'}: holds objects other than tensors, and loading them "
-        f"could run code; refused. Resume only from checkpoints this program wrote"]
+        f"could run code; refused. Use only checkpoints this program wrote"]
     assert "Traceback" not in result.stderr and not marker.exists()
 
 
