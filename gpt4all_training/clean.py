@@ -164,8 +164,9 @@ def normalise_ws(text: str) -> str:
     return " ".join(text.split())
 
 
-def _encodable(text: str) -> bool:
-    # JSON may escape a lone surrogate ("\ud800"): valid JSON, but no UTF-8 file can hold it.
+def encodable(text: str) -> bool:
+    """False for a lone surrogate, which JSON may escape ("\\ud800"): valid JSON, but no UTF-8 file can hold it,
+    and no tokenizer takes it."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -176,7 +177,7 @@ def _encodable(text: str) -> bool:
 def check_record(record: dict[str, str], filters: Filters, seen: set[tuple[str, str]]) -> str | None:
     """The drop reason for a parsed record, or None to keep it."""
     prompt, response = record["prompt"], record["response"]
-    if not all(_encodable(record[key]) for key in ("source", "prompt", "response")):
+    if not all(encodable(record[key]) for key in ("source", "prompt", "response")):
         return "invalid_unicode"
     if len(prompt.strip()) <= 1:
         return "short_prompt"

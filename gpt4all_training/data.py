@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .clean import encodable
 from .errors import UserError
 
 IGNORE = -100
@@ -42,10 +43,31 @@ def format_prompt(prompt: str, tokenizer, template: str) -> str:
     return prompt + "\n"
 
 
+MESSAGE_MARK = "\x00message\x00"  # stands for the user's message while the chat template is rendered
+
+
+def chat_frame(tokenizer) -> tuple[str, str] | None:
+    """The chat template's text before and after the user's message, or None for a template that changes the message
+    (then it cannot be cut out, and the whole rendering is tokenised)."""
+    rendered = format_prompt(MESSAGE_MARK, tokenizer, "chat")
+    if rendered.count(MESSAGE_MARK) != 1:
+        return None
+    before, after = rendered.split(MESSAGE_MARK)
+    return before, after
+
+
 def encode_prompts(prompts: list[str], tokenizer, template: str) -> list[list[int]]:
-    """Token ids of formatted prompts. A chat template writes its own special tokens; plain text gets the tokenizer's."""
-    texts = [format_prompt(p, tokenizer, template) for p in prompts]
-    return tokenizer(texts, add_special_tokens=(template == "plain"))["input_ids"]
+    """Token ids of formatted prompts. Only the template and the tokenizer write special tokens: a prompt that spells
+    one ("<|im_start|>assistant" pasted into a question) stays text, as responses do (tokenize_batch)."""
+    if template == "plain":
+        return tokenizer([format_prompt(p, tokenizer, template) for p in prompts], split_special_tokens=True)["input_ids"]
+    frame = chat_frame(tokenizer)
+    if frame is None:
+        texts = [format_prompt(p, tokenizer, template) for p in prompts]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    before, after = tokenizer(list(frame), add_special_tokens=False)["input_ids"]
+    messages = tokenizer(prompts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [before + ids + after for ids in messages]
 
 
 # ---------------------------------------------------------------- labels (pure)
@@ -109,14 +131,7 @@ def tokenized_features(features):
 
 
 def is_text(value: Any) -> bool:
-    """A str the tokenizer can take: a lone surrogate (U+D800, decodable from JSON) cannot be encoded as UTF-8."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(value, str) and encodable(value)
 
 
 def drop_reason(prompt: Any, response: Any, response_ids: list[int], n_trained: int) -> str:
@@ -127,7 +142,7 @@ def drop_reason(prompt: Any, response: Any, response_ids: list[int], n_trained: 
         return "missing_response"
     if not (is_text(prompt) and is_text(response)):
         return "invalid_unicode"
-    if not response_ids:
+    if not response_ids or not response.strip():  # whitespace alone teaches nothing (clean.py drops it too)
         return "empty_response"
     return "no_trained_tokens" if n_trained == 0 else ""
 
@@ -168,8 +183,8 @@ def local_data_files(path: Path) -> list[str] | None:
     return None
 
 
-def first_bad_line(files: list[str]) -> str | None:
-    """"FILE line N: why" for the first line in `files` that is not one JSON object of valid text, else None.
+def first_bad_line(files: list[str]) -> tuple[str, str] | None:
+    """(file, "line N: why") for the first line in `files` that is not one JSON object of valid text, else None.
     Run only after datasets failed to read them, to name what its error leaves out."""
     for file in files:
         with open(file, "rb") as f:
@@ -179,11 +194,11 @@ def first_bad_line(files: list[str]) -> str | None:
                 try:
                     record = json.loads(raw.decode("utf-8"))
                 except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    return f"{file} line {number}: {type(exc).__name__}: {str(exc)[:120]}"
+                    return file, f"line {number}: {type(exc).__name__}: {str(exc)[:120]}"
                 if not isinstance(record, dict):
-                    return f"{file} line {number}: not a JSON object"
+                    return file, f"line {number}: not a JSON object"
                 if not all(is_text(v) for v in record.values() if isinstance(v, str)):
-                    return f"{file} line {number}: text with a lone surrogate, which is not valid Unicode"
+                    return file, f"line {number}: text with a lone surrogate, which is not valid Unicode"
     return None
 
 
@@ -211,9 +226,12 @@ def load_records(dataset_path: str, revision: str | None = None):
         raise UserError(f"dataset_path {dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
     except datasets.exceptions.DatasetGenerationError as exc:
         cause = exc.__cause__ or exc
-        where = first_bad_line(files) if files else None
-        raise UserError(f"dataset_path {dataset_path}: unreadable JSONL ({where or str(cause).splitlines()[0][:200]}); "
-                        f"run clean.py on it first") from None
+        found = first_bad_line(files) if files else None
+        if found is None:
+            why = str(cause).splitlines()[0][:200]
+        else:
+            why = found[1] if Path(found[0]) == path else f"{found[0]} {found[1]}"
+        raise UserError(f"dataset_path {dataset_path}: unreadable JSONL ({why}); run clean.py on it first") from None
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
     if missing:
         raise UserError(f"dataset_path {dataset_path}: records lack the field {missing[0]!r}; run clean.py first")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ def _polyline(points: list[tuple[float, float]], box: tuple[float, float, float,
 
 def loss_chart(rows: list[dict[str, Any]], width: int = 720, height: int = 320) -> str:
     """An inline SVG with train loss (blue) and validation loss (orange) against the optimiser step."""
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    # A skipped step (nan_policy: skip) logs a NaN loss: it is counted in the summary, not drawn.
+    train = [(r["step"], r["loss"]) for r in rows if math.isfinite(r.get("loss", math.nan))]
+    val = [(r["step"], r["val_loss"]) for r in rows if math.isfinite(r.get("val_loss", math.nan))]
     points = train + val
     if not points:
         return "<p>No loss was logged.</p>"

@@ -58,6 +58,23 @@ def tokenizer(tokenizer_dir):
     return load_tokenizer(str(tokenizer_dir))
 
 
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tokenizer_dir, tmp_path_factory):
+    """The session BPE tokenizer plus two special tokens appended after the BPE vocabulary, and a chat template."""
+    from gpt4all_training.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("chat-tokenizer")
+    tokenizer.save_pretrained(path)
+    return load_tokenizer(str(path))
+
+
 def build_tiny_gptj(tokenizer, seed: int = 0):
     import torch
     from transformers import GPTJConfig, GPTJForCausalLM

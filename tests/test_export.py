@@ -19,26 +19,11 @@ import torch
 import numpy as np
 import yaml
 
-from conftest import PYTHON, REPO, dolly_texts
+from conftest import CHAT_TEMPLATE, PYTHON, REPO, dolly_texts
 from gpt4all_training.errors import UserError
 from gpt4all_training.export import export
 
-CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer(tokenizer_dir, tmp_path_factory):
-    """The session BPE tokenizer plus two special tokens appended after the BPE vocabulary, and a chat template."""
-    from gpt4all_training.modeling import load_tokenizer
-
-    tokenizer = load_tokenizer(str(tokenizer_dir))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    path = tmp_path_factory.mktemp("chat-tokenizer")
-    tokenizer.save_pretrained(path)
-    return load_tokenizer(str(path))
 
 
 def build_tiny_llama(tokenizer, tie: bool = False, seed: int = 0):

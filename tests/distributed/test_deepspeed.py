@@ -5,6 +5,8 @@ config. Tolerances are justified in runs.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -38,6 +40,19 @@ def test_zero2_ranks_end_with_bitwise_identical_weights(zero2_run):
 
 def test_zero3_matches_one_process(single_run, zero3_run, initial_weights):
     assert_same_training(zero3_run, single_run, initial_weights)
+
+
+@pytest.mark.parametrize(("run_name", "lora"), [("zero3_run", False), ("zero3_lora_run", True)])
+def test_zero3_builds_the_model_partitioned_so_no_rank_holds_a_whole_copy(request, run_name, lora):
+    """Built under transformers' zero.Init, each of the 2 ranks holds half of every base parameter (rounded up) from
+    the start, not a whole fp32 copy until prepare(). LoRA's adapter, added by PEFT afterwards, is small and whole
+    until prepare() partitions it too."""
+    run = request.getfixturevalue(run_name)
+    found = re.search(r"parameters: ([\d,]+) trainable of ([\d,]+) .*this rank holds ([\d,]+)", run.log)
+    assert found, run.log[-2000:]
+    trainable, total, held = (int(group.replace(",", "")) for group in found.groups())
+    whole = trainable if lora else 0
+    assert (total + whole) / 2 <= held < (total + whole) / 2 + 64  # padding: at most one element per tensor
 
 
 @pytest.mark.parametrize(("run_name", "stage", "offload"), [("zero2_run", 2, False), ("zero3_run", 3, False),

@@ -64,8 +64,8 @@ def test_truncated_dataset_file_at_start_is_one_line_naming_it(hard_config, doll
     result = run_train(hard_config, tmp_path / "run", f"dataset_path={bad}")
     assert result.returncode == 2, explain(result)
     assert error_lines(result.stderr) == [
-        f"error: dataset_path {bad}: unreadable JSONL (JSON parse error: Missing a closing quotation mark in "
-        f"string. in row 4); run clean.py on it first"]
+        f"error: dataset_path {bad}: unreadable JSONL (line 5: JSONDecodeError: Unterminated string starting at: "
+        f"line 1 column 1280 (char 1279)); run clean.py on it first"]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -178,6 +178,7 @@ def test_nan_at_step_k_is_skipped_and_counted(skipped_run, reference):
     assert all(math.isfinite(r["loss"]) for i, r in enumerate(rows) if i != 3)
     summary = (out / "report.html").read_text()
     assert "<tr><th>skipped_steps</th><td>1</td></tr>" in summary
+    assert "nan" not in summary.split("<svg")[1].split("</svg>")[0].lower()  # the skipped step is not drawn
 
 
 def test_hf_token_is_in_no_file_the_run_writes(skipped_run):
