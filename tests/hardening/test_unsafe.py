@@ -201,7 +201,7 @@ def calls(tree: ast.AST, module: str, function: str) -> list[ast.Call]:
 def test_the_package_loads_only_safe_formats():
     """A guard for new code: every torch.load passes weights_only=True; no yaml.load/unsafe_load/full_load, no
     pickle.load(s); nothing hard-codes trust_remote_code=True. (DeepSpeed's own reader, called for ZeRO checkpoints,
-    is outside this package: see RELIABILITY.md.)"""
+    is outside this package; checkpoint.check_deepspeed_files checks its files first.)"""
     problems = []
     for path in sorted((REPO / "gpt4all_training").glob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
