@@ -389,7 +389,7 @@ def model_checks(config, record):
     model's shape (for the checkpoint size) or None."""
     from .modeling import tokenizer_for
     from .plan import model_config_of, model_shape
-    from .pretrain_data import resolve_model_config
+    from .modeling import resolve_model_config
 
     from_scratch = config.init == "from_config"
     try:

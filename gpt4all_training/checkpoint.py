@@ -6,10 +6,12 @@
   takes the place of `optimizer.pt`;
 - `rng/rank{r}.pt`: every RNG of each rank (Python, NumPy, torch, CUDA), loadable with `weights_only=True`;
 - `state.json`: the global optimiser step and the trained-token count, plus the sampler's state for readers;
+- `data_state.pt`: when the data is streamed, the stream's position (pretrain_data.StreamedRows.state_dict);
 - `config.yaml`: the config that produced it;
 - last, the `COMPLETE` marker, which lists every file's SHA-256.
 
-The sampler's state is the step alone: the order of an epoch is a function of (seed, epoch), and
+The sampler's state is the step (a stream adds its position, so that a resume reads on instead of tokenising the
+stream again up to it): the order of an epoch is a function of (seed, epoch), and
 `epoch, position = divmod(step, steps_per_epoch)`. state.json also records epoch, position, seed and the global
 batch, so a resume that would map the step to different examples (another seed, batch or dataset) is refused.
 
@@ -227,7 +229,7 @@ def rotate(output_dir: str | Path, keep_last: int | None, keep_every: int | None
 # ---------------------------------------------------------------- save / load
 
 def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, state: dict[str, Any],
-                    config_yaml: str) -> Path:
+                    config_yaml: str, data_state: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint atomically. A collective: every rank calls it.
 
     A failed write (a full disk, a quota) removes the partial `.tmp` folder and raises a one-line TrainingError;
@@ -252,6 +254,8 @@ def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, stat
             torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
             if getattr(accelerator, "scaler", None) is not None:
                 torch_save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
+            if data_state is not None:
+                torch_save(data_state, tmp / "data_state.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
             (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
         accelerator.wait_for_everyone()
@@ -278,7 +282,8 @@ def save_step_checkpoint(output_dir: Path, state: dict[str, Any], sampler, accel
                          config_yaml: str, keep_last: int | None, keep_every: int | None) -> Path:
     """The loop's checkpoint: step_N/ with the sampler's state, then rotation of older ones."""
     folder = save_checkpoint(output_dir / f"step_{state['step']}", accelerator, model, optimizer, scheduler,
-                             training_state(state["step"], state["trained_tokens"], sampler), config_yaml)
+                             training_state(state["step"], state["trained_tokens"], sampler), config_yaml,
+                             sampler.data_state())
     if accelerator.is_main_process:
         rotate(output_dir, keep_last, keep_every)
     return folder
@@ -365,6 +370,8 @@ def resume_training(config, accelerator, model, optimizer, scheduler, sampler,
         return {"step": 0, "trained_tokens": 0}
     state = load_checkpoint(folder, accelerator, model, optimizer, scheduler)
     check_resumable(state, sampler, folder)
+    if (folder / "data_state.pt").is_file():
+        sampler.load_data_state(load_tensors(folder / "data_state.pt"))
     epoch, position = divmod(state["step"], sampler.steps_per_epoch)
     log(f"resumed from {folder} at step {state['step']} (epoch {epoch + 1}, step {position} of "
         f"{sampler.steps_per_epoch} in it; {state['trained_tokens']:,} tokens trained so far)")

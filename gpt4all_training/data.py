@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -183,23 +182,28 @@ def local_data_files(path: Path) -> list[str] | None:
     return None
 
 
-def first_bad_line(files: list[str]) -> tuple[str, str] | None:
-    """(file, "line N: why") for the first line in `files` that is not one JSON object of valid text, else None.
-    Run only after datasets failed to read them, to name what its error leaves out."""
+def first_bad_line(files: list[str]) -> str | None:
+    """What is wrong with the first line of `files` that is not a JSON object of valid text, naming the file and the
+    line, or None. Run only after datasets failed to read them: its own error names neither."""
+    from .pretrain_data import iter_records
+
     for file in files:
-        with open(file, "rb") as f:
-            for number, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                    return file, f"line {number}: {type(exc).__name__}: {str(exc)[:120]}"
-                if not isinstance(record, dict):
-                    return file, f"line {number}: not a JSON object"
+        try:
+            for where, record in iter_records(file):
                 if not all(is_text(v) for v in record.values() if isinstance(v, str)):
-                    return file, f"line {number}: text with a lone surrogate, which is not valid Unicode"
+                    return f"{where}: text with a lone surrogate, which is not valid Unicode; run clean.py on it first"
+        except UserError as exc:
+            return str(exc)
     return None
+
+
+def unreadable_jsonl(dataset_path: str, files: list[str] | None, exc: Exception, advice: str) -> UserError:
+    """The error for JSONL that datasets could not read: the first bad line by file and line, else datasets' own."""
+    bad_line = first_bad_line(files) if files else None
+    if bad_line:
+        return UserError(bad_line)
+    cause = exc.__cause__ or exc
+    return UserError(f"dataset_path {dataset_path}: unreadable JSONL ({str(cause).splitlines()[0][:200]}); {advice}")
 
 
 def load_records(dataset_path: str, revision: str | None = None):
@@ -225,13 +229,7 @@ def load_records(dataset_path: str, revision: str | None = None):
     except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
         raise UserError(f"dataset_path {dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
     except datasets.exceptions.DatasetGenerationError as exc:
-        cause = exc.__cause__ or exc
-        found = first_bad_line(files) if files else None
-        if found is None:
-            why = str(cause).splitlines()[0][:200]
-        else:
-            why = found[1] if Path(found[0]) == path else f"{found[0]} {found[1]}"
-        raise UserError(f"dataset_path {dataset_path}: unreadable JSONL ({why}); run clean.py on it first") from None
+        raise unreadable_jsonl(dataset_path, files, exc, "run clean.py on it first") from None
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
     if missing:
         raise UserError(f"dataset_path {dataset_path}: records lack the field {missing[0]!r}; run clean.py first")

@@ -103,15 +103,16 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_i NLL(softmax(hidden_i @ W.T + b), target_i) over rows of `hidden`, one chunk of rows at a time.
+    """sum_i NLL(softmax(hidden_i @ W.T + b), target_i) + z_loss x sum_i log(Z_i)^2 over rows of `hidden`, one chunk
+    of rows at a time, and sum_i log(Z_i)^2 (not differentiable: a metric).
 
-    Forward computes the loss and, when needed, d loss / d (hidden, weight, bias) per chunk (softmax minus one-hot,
-    times the inputs); backward multiplies them by the incoming gradient. Matmuls run in `dtype`; softmax and
-    accumulation in fp32.
+    Forward computes the loss and, when needed, d loss / d (hidden, weight, bias) per chunk (softmax x
+    (1 + 2 z_loss log Z) minus one-hot, times the inputs); backward multiplies them by the incoming gradient. Matmuls
+    run in `dtype`; softmax and accumulation in fp32.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, dtype, chunk_rows, grad_enabled):
+    def forward(ctx, hidden, weight, bias, targets, dtype, chunk_rows, grad_enabled, z_loss):
         # needs_input_grad is set under torch.no_grad too; evaluation must not pay for gradients.
         need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         with torch.autocast(hidden.device.type, enabled=False):
@@ -121,15 +122,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
             grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            z_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.size(0), chunk_rows):
                 h = hidden[start:start + chunk_rows].to(dtype)
                 t = targets[start:start + chunk_rows]
                 logits = _chunk_logits(h, w, b)
                 lse = torch.logsumexp(logits, dim=-1)
                 total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                z_total += (lse * lse).sum()
                 if not (need_hidden or need_weight or need_bias):
                     continue
                 grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                if z_loss:
+                    grad_logits.mul_((1 + 2 * z_loss * lse)[:, None])  # d(z log(Z)^2)/d logits = 2 z log(Z) softmax
                 grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1
                 if need_bias:
                     grad_bias += grad_logits.sum(0)
@@ -140,25 +145,33 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_weight += (g.T @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
-        return total
+        ctx.mark_non_differentiable(z_total)
+        return total + z_loss * z_total, z_total
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_total, grad_z_total):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.param_dtypes
         return (grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
                 (grad_weight * grad_total).to(weight_dtype) if grad_weight is not None else None,
                 (grad_bias * grad_total).to(bias_dtype) if grad_bias is not None else None,
-                None, None, None, None)
+                None, None, None, None, None)
+
+
+def chunked_loss_and_z(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, z_loss: float = 0.0,
+                       chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of NLL + z_loss x sum of log(Z)^2, sum of log(Z)^2) of `targets` under `head(hidden)` for rows of
+    hidden (N, H), without N x vocab logits."""
+    dtype = compute_dtype(hidden.device, head.weight.dtype)
+    chunk_rows = max(1, chunk_elements // head.out_features)
+    return ChunkedLinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, dtype, chunk_rows,
+                                           torch.is_grad_enabled(), z_loss)
 
 
 def chunked_nll_sum(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
                     chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Sum of NLL of `targets` under `head(hidden)` for rows of hidden (N, H), without N x vocab logits."""
-    dtype = compute_dtype(hidden.device, head.weight.dtype)
-    chunk_rows = max(1, chunk_elements // head.out_features)
-    return ChunkedLinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, dtype, chunk_rows,
-                                           torch.is_grad_enabled())
+    return chunked_loss_and_z(hidden, head, targets, 0.0, chunk_elements)[0]
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

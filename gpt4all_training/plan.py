@@ -387,7 +387,7 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
     total_steps = data.total_steps
 
     if config.init == "from_config":
-        from .pretrain_data import resolve_model_config
+        from .modeling import resolve_model_config
 
         shape = model_shape(config, resolve_model_config(config, tokenizer))
     else:

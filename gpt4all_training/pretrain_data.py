@@ -1,4 +1,4 @@
-"""Raw text for tokenizer training and pretraining (`objective: causal_lm`): records, rows, order, model, loss.
+"""Raw text for tokenizer training and pretraining (`objective: causal_lm`): records, rows, their order, the loss.
 
 Records. They are read one at a time (a local JSONL file line by line, a Hub dataset with `streaming=True`), so a
 corpus larger than memory is never loaded whole. A record's text is its `text_field`, or, when that is unset, its
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
-from itertools import count
+from collections import deque
+from dataclasses import asdict, dataclass
+from itertools import count, islice
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
@@ -57,15 +58,20 @@ def local_text_files(dataset_path: str) -> Optional[list[Path]]:
     return None
 
 
-def iter_records(dataset_path: str, revision: Optional[str] = None, split: str = "train"
+def iter_records(dataset_path: str, revision: Optional[str] = None, split: str = "train", start: int = 0
                  ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) pairs in stored order; `where` is `file:line` or `dataset record N` for error messages."""
+    """(where, record) pairs in stored order from record number `start` on (the ones before it are skipped without
+    being parsed); `where` is `file:line` or `dataset record N` for error messages."""
     files = local_text_files(dataset_path)
     if files is not None:
+        skip = start
         for file in files:
             with open(file, "rb") as f:
                 for number, raw in enumerate(f, start=1):
                     if not raw.strip():
+                        continue
+                    if skip:
+                        skip -= 1
                         continue
                     try:
                         record = json.loads(raw.decode("utf-8"))
@@ -81,7 +87,7 @@ def iter_records(dataset_path: str, revision: Optional[str] = None, split: str =
 
     try:
         stream = datasets.load_dataset(dataset_path, revision=revision, split=split, streaming=True)
-        for number, record in enumerate(stream):
+        for number, record in enumerate(stream.skip(start) if start else stream, start=start):
             yield f"{dataset_path} record {number}", record
     except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
         raise UserError(f"dataset_path {dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
@@ -103,9 +109,10 @@ def record_text(where: str, record: dict[str, Any], text_field: Optional[str]) -
 
 
 def iter_texts(dataset_path: str, revision: Optional[str] = None, text_field: Optional[str] = None,
-               split: str = "train") -> Iterator[str]:
-    """Every record's text, in stored order (empty texts included: callers decide what they mean)."""
-    for where, record in iter_records(dataset_path, revision, split):
+               split: str = "train", start: int = 0) -> Iterator[str]:
+    """Every record's text from record `start` on, in stored order (empty texts included: callers decide what they
+    mean)."""
+    for where, record in iter_records(dataset_path, revision, split, start):
         yield record_text(where, record, text_field)
 
 
@@ -268,72 +275,144 @@ class MaterializedRows:
 
 
 class StreamedRows:
-    """`streaming: true`: rows cut from records as they are read; the run's row sequence is produced in order."""
+    """`streaming: true`: rows cut from records as they are read; the run's row sequence is produced in order.
+
+    The position in the stream is explicit state, what state_dict() returns and a checkpoint keeps: the pass, the
+    records read in it, the cutter's leftover tokens, the rows cut but not yet through the shuffle buffer, the
+    buffer with its RNG, and the rows of the step being collected. A resume restores it and reads on from the next
+    record (the ones before it are skipped unparsed), so nothing is tokenised twice.
+    """
 
     streaming = True
 
-    def __init__(self, texts: Callable[[], Iterator[tuple[int, str]]], tokenizer, max_length: int, seed: int,
+    def __init__(self, texts: Callable[[int], Iterator[tuple[int, str]]], tokenizer, max_length: int, seed: int,
                  shuffle_buffer: int, val_every: int, log: Callable[[str], Any] = print) -> None:
         self.texts, self.tokenizer, self.max_length = texts, tokenizer, max_length
         self.seed, self.shuffle_buffer, self.val_every, self.log = seed, shuffle_buffer, val_every, log
-        self.stats = PretrainStats(streamed=True)
-        self._rows: Optional[Iterator[list[int]]] = None
-        self._next_id = 0
+        self.stats = PretrainStats(streamed=True)  # of the last finished pass
         self.rows_read = 0  # training rows cut so far (all passes): what len() reports until a pass has ended
+        self.restart()
 
     def __len__(self) -> int:
         return self.stats.rows if self.stats.records else self.rows_read
 
     def configure(self, rows_per_step: int) -> Optional[int]:
-        self.stats.rows_per_step = rows_per_step
+        self.stats.rows_per_step = self.pass_stats.rows_per_step = rows_per_step
         return None  # unknown until a pass ends
 
-    def pass_rows(self, stats: PretrainStats) -> Iterator[list[int]]:
-        """One pass over the training records, cut into rows; `stats` is filled in as it goes."""
-        cutter = RowCutter(self.max_length, self.tokenizer.eos_token_id)
-        for batch in batched(self.texts(), TOKENIZE_BATCH):
+    # --- the position
+
+    def restart(self) -> None:
+        """Back to the first row of the run."""
+        self.start_pass(0)
+        self.ready: deque[list[int]] = deque()  # the current step's rows not yet handed out
+        self.next_id = 0  # the global id of ready's first row
+
+    def start_pass(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.pass_stats = PretrainStats(streamed=True, rows_per_step=self.stats.rows_per_step)
+        self.cutter = RowCutter(self.max_length, self.tokenizer.eos_token_id)
+        self.cut: deque[list[int]] = deque()  # rows cut, not yet through the shuffle buffer
+        self.buffer: list[list[int]] = []
+        self.draining = False  # the pass's records are read: the buffer empties, in shuffled order
+        self.rng = epoch_rng(self.seed, epoch)
+        self.held: list[list[int]] = []  # rows of the step being collected
+        self.source: Optional[Iterator[tuple[int, str]]] = None  # opened at pass_stats.records when needed
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position at the end of the current step (rows left in `ready` are other ranks' share of it), the
+        same on every rank. Plain values and int32 tensors, loadable with weights_only=True."""
+        def table(rows) -> torch.Tensor:
+            return torch.tensor(list(rows), dtype=torch.int32).reshape(-1, self.max_length)
+
+        return {"next_id": self.next_id + len(self.ready), "epoch": self.epoch, "pass": asdict(self.pass_stats),
+                "last_pass": asdict(self.stats), "rows_read": self.rows_read,
+                "cutter": torch.tensor(self.cutter.pending, dtype=torch.int32), "cut": table(self.cut),
+                "buffer": table(self.buffer), "draining": self.draining, "rng": self.rng.getstate(),
+                "held": table(self.held)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start_pass(state["epoch"])
+        self.pass_stats, self.stats = PretrainStats(**state["pass"]), PretrainStats(**state["last_pass"])
+        self.rows_read = state["rows_read"]
+        self.cutter.pending = state["cutter"].tolist()
+        self.cut, self.buffer = deque(state["cut"].tolist()), state["buffer"].tolist()
+        self.draining = state["draining"]
+        self.rng.setstate(state["rng"])
+        self.held = state["held"].tolist()
+        self.ready, self.next_id = deque(), state["next_id"]
+
+    # --- producing rows: cut, shuffled, gathered into steps
+
+    def cut_row(self) -> Optional[list[int]]:
+        """The next row cut from this pass's records, or None when they are all read."""
+        while not self.cut:
+            if self.source is None:
+                self.source = self.texts(self.pass_stats.records)
+            batch = list(islice(self.source, TOKENIZE_BATCH))
+            stats = self.pass_stats
+            if not batch:
+                stats.tail_tokens = self.cutter.tail
+                return None
             stats.records += len(batch)
             train_texts = [text for number, text in batch if not held_out(number, self.val_every)]
             stats.held_out += len(batch) - len(train_texts)
             for ids in tokenize(self.tokenizer, train_texts):
                 stats.empty += not ids
                 stats.tokens += len(ids) + 1 if ids else 0
-                for row in cutter.add(ids):
-                    stats.rows += 1
-                    self.rows_read += 1
-                    yield row
-        stats.tail_tokens = cutter.tail
+                rows = self.cutter.add(ids)
+                stats.rows += len(rows)
+                self.rows_read += len(rows)
+                self.cut.extend(rows)
+        return self.cut.popleft()
 
-    def run_rows(self) -> Iterator[list[int]]:
-        """The run's row sequence: pass after pass, each shuffled, each without its last partial step."""
-        step_rows = self.stats.rows_per_step
-        for epoch in count():
-            stats = PretrainStats(streamed=True, rows_per_step=step_rows)
-            held: list[list[int]] = []
-            for row in buffer_shuffle(self.pass_rows(stats), self.shuffle_buffer, epoch_rng(self.seed, epoch)):
-                held.append(row)
-                if len(held) == step_rows:
-                    yield from held
-                    held = []
+    def shuffled_row(self) -> Optional[list[int]]:
+        """buffer_shuffle over cut_row, one row at a time, its state kept on self; None at the end of the pass."""
+        while not self.draining:
+            row = self.cut_row()
+            if row is None:
+                self.rng.shuffle(self.buffer)
+                self.buffer.reverse()  # handed out from the end, so in the shuffled order
+                self.draining = True
+            elif len(self.buffer) < self.shuffle_buffer:
+                self.buffer.append(row)
+            else:
+                slot = self.rng.randrange(self.shuffle_buffer)
+                row, self.buffer[slot] = self.buffer[slot], row
+                return row
+        return self.buffer.pop() if self.buffer else None
+
+    def next_step(self) -> None:
+        """Gather the next step's rows into `ready`. A pass's last partial step is dropped; the next pass begins."""
+        step_rows = self.pass_stats.rows_per_step
+        while len(self.held) < step_rows:
+            row = self.shuffled_row()
+            if row is not None:
+                self.held.append(row)
+                continue
+            stats = self.pass_stats
             if stats.steps == 0:
                 raise UserError(f"dataset_path: one optimiser step needs {step_rows} rows of {self.max_length} tokens "
                                 f"but a pass over the data makes {stats.rows}; lower batch_size, "
                                 f"gradient_accumulation_steps or max_length")
             self.stats = stats
-            self.log(f"pass {epoch + 1} over the stream ended: " + stats.describe("train").removeprefix("train: "))
+            self.log(f"pass {self.epoch + 1} over the stream ended: " + stats.describe("train").removeprefix("train: "))
+            self.start_pass(self.epoch + 1)
+        self.ready.extend(self.held)
+        self.held = []
 
     def rows(self, ids: list[int]) -> list[list[int]]:
-        """Rows by global id, ascending. Rows before the first id are produced and skipped: after a resume, that
-        replays the stream up to the checkpoint's position."""
+        """Rows by global id, ascending. A row behind the position restarts the run's sequence from the beginning."""
         out = []
         for global_id in ids:
-            if self._rows is None or global_id < self._next_id:
-                self._rows, self._next_id = self.run_rows(), 0
-            while self._next_id < global_id:
-                next(self._rows)
-                self._next_id += 1
-            out.append(next(self._rows))
-            self._next_id += 1
+            if global_id < self.next_id:
+                self.restart()
+            while self.next_id <= global_id:
+                if not self.ready:
+                    self.next_step()
+                row = self.ready.popleft()
+                self.next_id += 1
+            out.append(row)
         return out
 
 
@@ -403,6 +482,13 @@ class RowSampler:
         return [list(range(start + j * micro + self.rank * self.batch_size,
                            start + j * micro + (self.rank + 1) * self.batch_size)) for j in range(self.grad_accum)]
 
+    def data_state(self) -> Optional[dict[str, Any]]:
+        """A stream's position, which the step alone cannot give back without reading the stream again."""
+        return self.store.state_dict() if self.store.streaming else None
+
+    def load_data_state(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state)
+
 
 def fetch_rows(store, ids: list[int], pad_id: int) -> dict[str, torch.Tensor]:
     """The loop's `fetch(dataset, indices, pad_id)` for rows (which need no padding)."""
@@ -433,7 +519,7 @@ def tokenized_records(config, tokenizer, val_every: int):
     """`streaming: false`: every record tokenised by datasets.map (cached, parallel), in stored order."""
     import datasets
 
-    from .data import effective_num_proc
+    from .data import effective_num_proc, unreadable_jsonl
 
     files = local_text_files(config.dataset_path)
     try:
@@ -445,9 +531,8 @@ def tokenized_records(config, tokenizer, val_every: int):
         raise UserError(f"dataset_path {config.dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") \
             from None
     except datasets.exceptions.DatasetGenerationError as exc:
-        cause = exc.__cause__ or exc
-        raise UserError(f"dataset_path {config.dataset_path}: unreadable JSONL ({str(cause).splitlines()[0][:200]}); "
-                        f"`gpt4all-training check` names the line") from None
+        raise unreadable_jsonl(config.dataset_path, [str(f) for f in files or []], exc, "fix or remove the line") \
+            from None
     column = text_column(ds, config.dataset_path, config.text_field)
     return ds.map(_tokenize_records, batched=True, batch_size=TOKENIZE_BATCH, with_indices=True,
                   remove_columns=ds.column_names, num_proc=effective_num_proc(config, len(ds)),
@@ -490,9 +575,8 @@ def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print):
         raise UserError("tokenizer_name: the tokenizer has no EOS token to join texts with; use one that has")
     val_stats = PretrainStats()
     if config.streaming:
-        def numbered_texts() -> Iterator[tuple[int, str]]:
-            for number, text in enumerate(iter_texts(config.dataset_path, config.revision, config.text_field)):
-                yield number, text
+        def numbered_texts(start: int = 0) -> Iterator[tuple[int, str]]:
+            return zip(count(start), iter_texts(config.dataset_path, config.revision, config.text_field, start=start))
 
         store = StreamedRows(numbered_texts, tokenizer, config.max_length, config.seed, config.shuffle_buffer,
                              val_every, log)
@@ -515,49 +599,6 @@ def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print):
     return (store, validation_dataset(val)), (train_stats, val_stats)
 
 
-# ---------------------------------------------------------------- a model from a config (init: from_config)
-
-def resolve_model_config(config, tokenizer):
-    """`model_config` (a local folder, a model type such as 'gptj', or a Hub id; default model_name) with
-    `model_config_overrides` applied, and the vocabulary and special tokens of the tokenizer."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    source = config.model_config or config.model_name
-    try:
-        if Path(source).expanduser().is_dir():
-            model_config = AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code)
-        elif source in CONFIG_MAPPING:
-            model_config = AutoConfig.for_model(source)
-        else:
-            model_config = AutoConfig.from_pretrained(source, revision=config.model_revision,
-                                                      trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"model_config {source}: cannot read it ({str(exc).splitlines()[0][:200]}); give a local "
-                        f"folder, a model type such as gptj or llama, or a Hub id") from None
-    text = model_config.get_text_config()
-    for key, value in (config.model_config_overrides or {}).items():
-        if not hasattr(text, key):
-            raise UserError(f"model_config_overrides: {key!r} is not a field of {type(text).__name__}")
-        setattr(text, key, value)
-    text.vocab_size = len(tokenizer)  # the vocabulary follows the tokenizer, whatever the base config said
-    for kind in ("bos", "eos", "pad"):
-        setattr(text, f"{kind}_token_id", getattr(tokenizer, f"{kind}_token_id"))
-    return model_config
-
-
-def build_model_from_config(config, tokenizer):
-    """A randomly initialised AutoModelForCausalLM (seeded by the caller's torch seed), in fp32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(resolve_model_config(config, tokenizer), dtype=torch.float32,
-                                             trust_remote_code=config.trust_remote_code)
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    return model
-
-
 # ---------------------------------------------------------------- the loss (z-loss, last-position loss)
 
 class CausalLMLoss:
@@ -566,9 +607,8 @@ class CausalLMLoss:
     the softmax normaliser near 1). The loop divides by the step's trained tokens, so the z-term is a mean too.
 
     It also keeps, as metrics, the loss at the final position of each row (`train/last_loss`, the prediction with
-    the most context) and the z-term (`train/z_loss`), summed over the steps since they were last read. With z_loss
-    the trained positions' logits are built whole (the chunked head of loss.py has no z-term); without it the
-    chunked head is used, and only each row's last logits are built besides.
+    the most context) and the z-term (`train/z_loss`), summed over the steps since they were last read. Both terms
+    go through the chunked head of loss.py, so only each row's last logits are built whole besides.
     """
 
     def __init__(self, z_loss: float = 0.0) -> None:
@@ -579,7 +619,7 @@ class CausalLMLoss:
         import torch.nn.functional as F
 
         from .data import IGNORE
-        from .loss import chunked_nll_sum, head_removed, model_inputs, output_head
+        from .loss import chunked_loss_and_z, head_removed, model_inputs, output_head
 
         targets = batch["labels"][:, 1:]
         found = output_head(model)
@@ -592,16 +632,13 @@ class CausalLMLoss:
                 hidden = model(**model_inputs(batch)).logits[:, :-1]
         targets = targets.to((hidden if hidden is not None else logits_all).device)
         trained = targets != IGNORE
-        z_sum = torch.zeros((), device=targets.device)
-        if hidden is not None and not self.z_loss:
-            loss = chunked_nll_sum(hidden[trained], head, targets[trained])
+        if hidden is not None:
+            loss, z_sum = chunked_loss_and_z(hidden[trained], head, targets[trained], self.z_loss)
         else:
-            logits = (head(hidden[trained]).float() if hidden is not None else logits_all[trained])
+            logits = logits_all[trained]
             lse = torch.logsumexp(logits, dim=-1)
-            loss = (lse - logits.gather(1, targets[trained][:, None]).squeeze(1)).sum()
             z_sum = (lse * lse).sum()
-            if self.z_loss:
-                loss = loss + self.z_loss * z_sum
+            loss = (lse - logits.gather(1, targets[trained][:, None]).squeeze(1)).sum() + self.z_loss * z_sum
         with torch.no_grad():
             last = (head(hidden[:, -1]).float() if hidden is not None else logits_all[:, -1])
             last_targets = targets[:, -1]

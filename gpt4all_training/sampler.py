@@ -79,6 +79,10 @@ class StepSampler:
             batches.append(order[offset:offset + self.batch_size].tolist())
         return batches
 
+    def data_state(self) -> None:
+        """Nothing beyond the step: an epoch's order is a function of (seed, epoch)."""
+        return None
+
 
 def group_by_length(order: torch.Tensor, lengths: torch.Tensor, examples_per_step: int, steps: int,
                     generator: torch.Generator, group_steps: int = GROUP_STEPS) -> torch.Tensor:

@@ -31,10 +31,10 @@ from .errors import TrainingError, UserError
 from .evaluate import evaluate_loss
 from .hub import push_folder
 from .loss import real_token_count, token_loss_sum, trained_token_count
-from .modeling import (apply_lora, count_parameters, load_model, param_groups, resident_parameters,
-                       tokenizer_for)
+from .modeling import (apply_lora, build_model_from_config, count_parameters, load_model, param_groups,
+                       resident_parameters, tokenizer_for)
 from .packing import batch_fetcher, check_isolation
-from .pretrain_data import CausalLMLoss, RowSampler, build_model_from_config, fetch_rows, load_pretrain_data
+from .pretrain_data import CausalLMLoss, RowSampler, fetch_rows, load_pretrain_data
 from .report import write_report
 from .sampler import StepSampler
 from .schedule import learning_rate
@@ -189,8 +189,12 @@ def train(config: TrainConfig) -> dict[str, Any]:
     # optimiser that applies the updates (under DeepSpeed CPU offload, DeepSpeedCPUAdam rather than ours).
     scheduler = torch.optim.lr_scheduler.LambdaLR(stepping_optimizer(optimizer),
                                                   partial(lr_factor, config=config, total_steps=total_steps))
-    log(f"{total_steps} optimiser steps: {sampler.steps_per_epoch} per epoch x {config.num_epochs} epochs "
-        f"(global batch {sampler.examples_per_step} examples)")
+    if config.objective == "causal_lm" and config.streaming:  # a stream's passes are unknown until each one ends
+        log(f"{total_steps} optimiser steps (max_steps) over the stream, passing over it as often as that takes "
+            f"(global batch {sampler.examples_per_step} rows)")
+    else:
+        log(f"{total_steps} optimiser steps: {sampler.steps_per_epoch} per epoch x {config.num_epochs} epochs "
+            f"(global batch {sampler.examples_per_step} examples)")
 
     # --- resume ---
     state = resume_training(config, accelerator, model, optimizer, scheduler, sampler, log)

@@ -9,7 +9,7 @@ from torch import nn
 
 from conftest import build_tiny_gptj
 from gpt4all_training.data import IGNORE, collate
-from gpt4all_training.loss import (chunked_nll_sum, head_removed, model_inputs, output_head, token_loss_sum,
+from gpt4all_training.loss import (chunked_loss_and_z, head_removed, model_inputs, output_head, token_loss_sum,
                                    trained_token_count)
 
 
@@ -36,22 +36,26 @@ def batch(tokenizer):
 
 @pytest.mark.parametrize("chunk_elements", [1, 7 * 50, 1 << 23])  # one row per chunk, 7 rows, everything at once
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_chunked_equals_full_cross_entropy_values_and_gradients(chunk_elements, with_bias):
+@pytest.mark.parametrize("z_loss", [0.0, 0.1])  # 0.1: far above the usual 1e-4, so a wrong z gradient shows
+def test_chunked_equals_full_cross_entropy_values_and_gradients(chunk_elements, with_bias, z_loss):
     g = torch.Generator().manual_seed(1)
     head = nn.Linear(16, 50, bias=with_bias)
     hidden = torch.randn(23, 16, generator=g, requires_grad=True)
     targets = torch.randint(0, 50, (23,), generator=g)
 
-    chunked = chunked_nll_sum(hidden, head, targets, chunk_elements)
+    chunked, z_sum = chunked_loss_and_z(hidden, head, targets, z_loss, chunk_elements)
     chunked.backward()
     grads = [hidden.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if with_bias else [])
     hidden.grad = None
     head.zero_grad()
-    full = F.cross_entropy(head(hidden), targets, reduction="sum")
+    logits = head(hidden)
+    lse_squared = torch.logsumexp(logits, dim=-1).pow(2).sum()
+    full = F.cross_entropy(logits, targets, reduction="sum") + z_loss * lse_squared
     full.backward()
     expected = [hidden.grad, head.weight.grad] + ([head.bias.grad] if with_bias else [])
 
     assert relative_error(chunked.detach(), full.detach()) <= 1e-6
+    assert relative_error(z_sum, lse_squared.detach()) <= 1e-6
     for got, want in zip(grads, expected):
         assert relative_error(got, want) <= 1e-6
 

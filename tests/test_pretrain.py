@@ -14,9 +14,9 @@ import torch
 from conftest import REPO, write_jsonl
 from gpt4all_training.config import load_config
 from gpt4all_training.errors import UserError
+from gpt4all_training.modeling import build_model_from_config, resolve_model_config
 from gpt4all_training.pretrain_data import (CausalLMLoss, MaterializedRows, PretrainStats, RowSampler,
-                                            buffer_shuffle, build_model_from_config, load_pretrain_data,
-                                            resolve_model_config, training_batch)
+                                            buffer_shuffle, load_pretrain_data, training_batch)
 from gpt4all_training.tokenizer import train_bpe_tokenizer
 from gpt4all_training.tracking import read_metrics
 
@@ -152,7 +152,7 @@ def test_a_global_step_holds_the_same_rows_on_one_or_two_ranks():
 
 
 def test_streaming_resume_is_exact(corpus, tmp_path):
-    """8 steps straight through, against 4 steps, a checkpoint, and a resume that replays the stream to row 32."""
+    """8 steps straight through, against 4 steps, a checkpoint, and a resume from the stream position it saved."""
     from safetensors.torch import load_file
 
     from gpt4all_training.train import train
@@ -164,6 +164,7 @@ def test_streaming_resume_is_exact(corpus, tmp_path):
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copytree(tmp_path / "straight" / "step_4", resumed_dir / "step_4")
+    assert torch.load(resumed_dir / "step_4" / "data_state.pt", weights_only=True)["next_id"] == 4 * 8
     summary = train(config_for(corpus, resumed_dir, *settings, "resume=auto"))
     assert summary["steps"] == 8
     a = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
@@ -172,6 +173,38 @@ def test_streaming_resume_is_exact(corpus, tmp_path):
     losses = [[r["loss"] for r in read_metrics(d / "metrics.jsonl") if "loss" in r and r["step"] > 4]
               for d in (tmp_path / "straight", resumed_dir)]
     assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+def test_stream_resumes_from_its_saved_position_without_reading_what_came_before(corpus, text_tokenizer, tmp_path):
+    """The state after 5 steps, restored into a fresh loader, gives the uninterrupted stream's next rows, over the
+    end of a pass, even when every record read before the saved position has been overwritten with junk: a resume
+    reads on from the next record (skipped lines are not parsed) instead of tokenising the stream again."""
+    data = tmp_path / "text.jsonl"
+    shutil.copy(corpus / "text.jsonl", data)
+    overrides = [f"dataset_path={data}", "streaming=true", "shuffle_buffer=16", "batch_size=4",
+                 "gradient_accumulation_steps=2", "max_steps=100", "val_fraction=0"]
+
+    def fresh_store():
+        (store, _), _ = load_pretrain_data(config_for(corpus, tmp_path / "unused", *overrides), text_tokenizer,
+                                           log=lambda line: None)
+        return RowSampler(store, 4, 1, 0, 2, 0, 100)
+
+    straight = fresh_store()
+    for step in range(5):
+        for ids in straight.step_indices(step):
+            straight.store.rows(ids)
+    state = straight.data_state()
+    torch.save(state, tmp_path / "data_state.pt")
+    expected = straight.store.rows(list(range(5 * 8, 60 * 8)))  # on into the next passes
+    records_read = state["pass"]["records"]
+    assert 0 < records_read < 300 and state["next_id"] == 5 * 8
+    lines = data.read_text().splitlines()
+    data.write_text("".join(["not json\n"] * records_read) + "\n".join(lines[records_read:]) + "\n")
+    resumed = fresh_store()
+    resumed.load_data_state(torch.load(tmp_path / "data_state.pt", weights_only=True))
+    assert resumed.store.rows(list(range(5 * 8, 5 * 8 + 8))) == expected[:8]
+    data.write_text("\n".join(lines) + "\n")  # the next pass reads the file from the start again
+    assert resumed.store.rows(list(range(5 * 8 + 8, 60 * 8))) == expected[8:]
 
 
 def test_stream_replays_to_any_position(corpus, text_tokenizer):

@@ -185,8 +185,8 @@ def test_lone_surrogates_never_reach_tokenisation(tmp_path):
     (tmp_path / "s_clean.jsonl").write_text('{"prompt": "a\\ud800b", "response": "ok"}\n')
     with pytest.raises(UserError) as error:
         load_records(str(tmp_path))
-    assert str(error.value) == (f"dataset_path {tmp_path}: unreadable JSONL ({tmp_path / 's_clean.jsonl'} line 1: "
-                                f"text with a lone surrogate, which is not valid Unicode); run clean.py on it first")
+    assert str(error.value) == (f"{tmp_path / 's_clean.jsonl'}:1: text with a lone surrogate, which is not valid "
+                                f"Unicode; run clean.py on it first")
     report, rows = clean_bytes(tmp_path, b'{"prompt": "a\\ud800b", "response": "ok"}\n')
     assert (dict(report.dropped), rows) == ({"invalid_unicode": 1}, [])
 
