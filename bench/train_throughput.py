@@ -126,7 +126,7 @@ def run_ours(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
     return summarise(steps_log, started[0], peak, out / "final", harness.MODELS[kind]["warmup"])
 
 
-def run_trl(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
+def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = harness.SEED) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -152,7 +152,7 @@ def run_trl(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
                 "gradient_accumulation_steps": m["accumulation"], "max_steps": steps, "learning_rate": m["lr"],
                 "lr_scheduler_type": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0, "weight_decay": 0.0,
                 "bf16": m["dtype"] == "bfloat16", "save_strategy": "no", "report_to": "none",
-                "seed": harness.SEED, "use_cpu": True, "disable_tqdm": True}
+                "seed": order_seed, "use_cpu": True, "disable_tqdm": True}
     if variant == "trl-nogc":
         settings["gradient_checkpointing"] = False
     trainer = SFTTrainer(model=model, args=SFTConfig(**settings), train_dataset=data, processing_class=tokenizer,
@@ -217,9 +217,12 @@ def final_eval_loss(final_dir: Path) -> float:
                          tokenizer.pad_token_id)["val_loss"]
 
 
-def worker(variant: str, kind: str, steps: int, out: Path) -> None:
+def worker(variant: str, kind: str, steps: int, out: Path, trl_seed: int) -> None:
     harness.setup_environment()
-    result = (run_trl if variant.startswith("trl") else run_ours)(variant, kind, steps, out)
+    if variant.startswith("trl"):
+        result = run_trl(variant, kind, steps, out, trl_seed)
+    else:
+        result = run_ours(variant, kind, steps, out)
     print(json.dumps({"variant": variant, **result}))
 
 
@@ -252,12 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each row, alternating")
     parser.add_argument("--variants", default=",".join(REQUIRED + EXTRA), help="rows, comma-separated")
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
+    parser.add_argument("--trl-seed", type=int, default=harness.SEED,
+                        help="TRL's seed, which orders its examples (the split stays the same): other values show "
+                             "how much the eval loss moves with the order of the examples alone")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = args.steps or harness.MODELS[args.model]["steps"]
     if args.worker:
-        worker(args.worker, args.model, steps, args.out)
+        worker(args.worker, args.model, steps, args.out, args.trl_seed)
         return 0
 
     harness.setup_environment()
@@ -277,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             out = harness.WORK / "runs" / args.model / f"{variant}-{repeat}"
             try:
                 result = harness.run_worker("train_throughput.py", ["--worker", variant, "--model", args.model,
-                                                                    "--steps", str(steps), "--out", str(out)])
+                                                                    "--steps", str(steps), "--out", str(out),
+                                                                    "--trl-seed", str(args.trl_seed)])
             except RuntimeError as exc:  # one broken row must not lose the others' numbers
                 print(f"  repeat {repeat + 1} {variant}: FAILED\n{exc}", flush=True)
                 continue

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from .distributed import deepspeed_engine, load_engine_state, save_engine_state
+from .distributed import (deepspeed_engine, is_xla, load_engine_state, save_engine_state, saveable_state_dict,
+                          to_cpu)
 from .errors import TrainingError, UserError
 
 MARKER = "COMPLETE"
@@ -241,7 +242,7 @@ def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, stat
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         accelerator.wait_for_everyone()
-        state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards: every rank must call it
+        state_dict = saveable_state_dict(accelerator, model)  # gathers ZeRO-3 shards: every rank must call it
         torch_save(rng_state(), tmp / "rng" / f"rank{accelerator.process_index}.pt")
         engine = deepspeed_engine(model)
         if engine is not None:
@@ -250,7 +251,9 @@ def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, stat
             accelerator.unwrap_model(model).save_pretrained(tmp / "model", state_dict=state_dict,
                                                             safe_serialization=True)
             if engine is None:
-                torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
+                # XLA tensors cannot be pickled: the state goes to the CPU (load_state_dict moves it back).
+                optimizer_state = optimizer.state_dict()
+                torch_save(to_cpu(optimizer_state) if is_xla(accelerator) else optimizer_state, tmp / "optimizer.pt")
             torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
             if getattr(accelerator, "scaler", None) is not None:
                 torch_save(accelerator.scaler.state_dict(), tmp / "scaler.pt")

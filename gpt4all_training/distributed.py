@@ -167,7 +167,7 @@ def whole_copy(accelerator, unwrapped, state_dict: dict[str, torch.Tensor]):
     with whole_model_init(accelerator):
         base = AutoModelForCausalLM.from_config(unwrapped.get_base_model().config, dtype=torch.float32)
         copy = get_peft_model(base, unwrapped.peft_config[unwrapped.active_adapter])
-    copy.load_state_dict(cpu_state_dict(state_dict))
+    copy.load_state_dict(to_cpu(state_dict))
     return copy
 
 
@@ -258,15 +258,22 @@ def xla_metrics(accelerator) -> dict[str, int]:
     return {"xla_compilations": int(data[0]) if data else 0}
 
 
-def cpu_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu() for k, v in state_dict.items()}
+def to_cpu(value: Any) -> Any:
+    """`value` with every tensor inside its dicts, lists and tuples moved to the CPU (an optimiser's state)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
 
 
 def saveable_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
     """accelerator.get_state_dict (a collective under ZeRO-3: every rank calls it), moved to the CPU under XLA,
     since safetensors cannot write XLA tensors."""
     state_dict = accelerator.get_state_dict(model)
-    return cpu_state_dict(state_dict) if is_xla(accelerator) else state_dict
+    return to_cpu(state_dict) if is_xla(accelerator) else state_dict
 
 
 # ---------------------------------------------------------------- checkpoints and the end of a run

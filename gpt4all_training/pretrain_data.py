@@ -20,7 +20,8 @@ Two loaders give the same rows in the same order for the same seed:
   sequence in memory, and finds any step's rows directly: a resume costs nothing;
 - `streaming: true` reads and tokenises records as training consumes them (for corpora larger than memory). The
   length of a pass is unknown before it ends, so it needs max_steps, and it repeats the stream as often as that
-  takes. A resume replays the stream up to the step's rows (tokenising without training) and continues exactly.
+  takes. A checkpoint keeps the stream's position (StreamedRows.state_dict): a resume reads on from the next record,
+  and continues exactly; a checkpoint without it (or a jump backwards) replays the stream from its start.
 """
 
 from __future__ import annotations

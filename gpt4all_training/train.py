@@ -9,6 +9,7 @@ batch 2 all take the same step.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import re
 import resource
@@ -213,6 +214,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
     loss_fn = CausalLMLoss(config.z_loss) if config.objective == "causal_lm" else token_loss_sum
     model.train()
     stop = GracefulStop()  # SIGTERM/SIGINT: finish the step, checkpoint, exit 128+signal
+    # The model, data and libraries live for the whole run: keep the garbage collector from scanning them again at
+    # every collection (measured on the tiny model: 2.5% of the loop's time went to collections).
+    gc.freeze()
     while state["step"] < total_steps:
         step = state["step"]
         batches = [fetch(train_ds, indices, pad_id) for indices in sampler.step_indices(step)]
@@ -260,6 +264,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if stopping:
             break
     progress.close()
+    gc.unfreeze()
     stop.close()
     if state["step"] < total_steps:  # stopped by a signal: no final/, no push; the checkpoint resumes it
         tracker.close()

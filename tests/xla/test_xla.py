@@ -13,9 +13,12 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
+import shutil  # noqa: E402
+
 import yaml  # noqa: E402
 
-from distributed.runs import VAL_LOSS_ATOL, accelerate, launch, load_final, validation_loss  # noqa: E402
+from distributed.runs import (VAL_LOSS_ATOL, accelerate, launch, load_final, max_difference,  # noqa: E402
+                              validation_loss, weights)
 
 STEPS = 16
 # Graphs compiled by the end of each of the 16 steps, measured: 6 on the first step (the count reduction, forward
@@ -24,6 +27,7 @@ STEPS = 16
 # and keeps growing; a loss with data-dependent shapes (boolean-mask selection of the trained tokens) reaches 21.
 MAX_COMPILATIONS = 12
 SETTLED_AFTER = 8  # from this step on, no step compiles anything
+SAVE_AT = 8  # a checkpoint at step 8 (and 16), which the resumed run starts from
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def xla_config(tiny_model_dir, clean_dolly, tmp_path_factory):
     config = {"model_name": str(tiny_model_dir), "dataset_path": str(clean_dolly), "max_length": 128,
               "batch_size": 1, "gradient_accumulation_steps": 1, "lr": 3.0e-3, "min_lr": 1.0e-4, "warmup_steps": 2,
               "weight_decay": 0.1, "max_grad_norm": 1.0, "max_steps": STEPS, "eval_every": None, "eval_steps": None,
-              "save_every": None, "val_fraction": 0.05, "seed": 7, "num_proc": 1, "report_to": ["jsonl"]}
+              "save_every": SAVE_AT, "keep_last": None, "val_fraction": 0.05, "seed": 7, "num_proc": 1, "report_to": ["jsonl"]}
     path = tmp_path_factory.mktemp("xla-config") / "train.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -42,6 +46,16 @@ def xla_run(xla_config, tmp_path_factory):
     out = tmp_path_factory.mktemp("xla-run") / "run"
     command = [*accelerate("tpu_v3_8.yaml", "--num_processes=1"), "-m", "gpt4all_training.cli", "train",
                "--config", str(xla_config), f"output_dir={out}"]
+    return launch([command], out, env={"PJRT_DEVICE": "CPU"})
+
+
+@pytest.fixture(scope="module")
+def xla_resumed_run(xla_config, xla_run, tmp_path_factory):
+    """The same launch, resumed from the first run's step-8 checkpoint in a new output_dir."""
+    out = tmp_path_factory.mktemp("xla-resumed") / "run"
+    shutil.copytree(xla_run.output_dir / f"step_{SAVE_AT}", out / f"step_{SAVE_AT}")
+    command = [*accelerate("tpu_v3_8.yaml", "--num_processes=1"), "-m", "gpt4all_training.cli", "train",
+               "--config", str(xla_config), f"output_dir={out}", "resume=auto"]
     return launch([command], out, env={"PJRT_DEVICE": "CPU"})
 
 
@@ -95,3 +109,13 @@ def test_final_reloads_on_plain_cpu_torch_with_the_in_memory_loss(xla_run, valid
     model = load_final(xla_run.final)
     assert next(model.parameters()).device.type == "cpu"
     assert abs(validation_loss(model, val_ds, pad_id) - xla_run.last("val_loss")) < VAL_LOSS_ATOL
+
+
+def test_checkpoints_save_off_the_device_and_resume_exactly(xla_run, xla_resumed_run):
+    """step_8/ (model, and optimiser state moved off the XLA device) resumes into the same last 8 steps: the same
+    losses and the same final weights as the run that went straight through."""
+    assert (xla_run.output_dir / f"step_{SAVE_AT}" / "optimizer.pt").is_file()
+    straight = [row["loss"] for row in xla_run.train_rows() if row["step"] > SAVE_AT]
+    resumed = [row["loss"] for row in xla_resumed_run.train_rows() if row["step"] > SAVE_AT]
+    assert len(resumed) == STEPS - SAVE_AT and resumed == pytest.approx(straight, abs=1e-6)
+    assert max_difference(weights(xla_resumed_run.final), weights(xla_run.final)) <= 1e-6
