@@ -387,9 +387,8 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
 def model_checks(config, record):
     """Tokenizer and memory checks (and for init from_config, the config the model is built from); returns the
     model's shape (for the checkpoint size) or None."""
-    from .modeling import tokenizer_for
+    from .modeling import resolve_model_config, tokenizer_for
     from .plan import model_config_of, model_shape
-    from .modeling import resolve_model_config
 
     from_scratch = config.init == "from_config"
     try:

@@ -59,7 +59,8 @@ def encode_prompts(prompts: list[str], tokenizer, template: str) -> list[list[in
     """Token ids of formatted prompts. Only the template and the tokenizer write special tokens: a prompt that spells
     one ("<|im_start|>assistant" pasted into a question) stays text, as responses do (tokenize_batch)."""
     if template == "plain":
-        return tokenizer([format_prompt(p, tokenizer, template) for p in prompts], split_special_tokens=True)["input_ids"]
+        texts = [format_prompt(p, tokenizer, template) for p in prompts]
+        return tokenizer(texts, split_special_tokens=True)["input_ids"]
     frame = chat_frame(tokenizer)
     if frame is None:
         texts = [format_prompt(p, tokenizer, template) for p in prompts]

@@ -79,7 +79,8 @@ def iter_records(dataset_path: str, revision: Optional[str] = None, split: str =
                     except UnicodeDecodeError:
                         raise UserError(f"{file}:{number}: not UTF-8 text; re-encode the file as UTF-8") from None
                     except json.JSONDecodeError as exc:
-                        raise UserError(f"{file}:{number}: not valid JSON ({exc.msg}); fix or remove the line") from None
+                        raise UserError(f"{file}:{number}: not valid JSON ({exc.msg}); fix or remove the line") \
+                            from None
                     if not isinstance(record, dict):
                         raise UserError(f"{file}:{number}: expected a JSON object per line")
                     yield f"{file}:{number}", record
@@ -128,22 +129,41 @@ def validation_stride(val_fraction: float) -> int:
     return max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
 
 
-def buffer_shuffle(items: Iterable[T], size: int, rng: random.Random) -> Iterator[T]:
+class ShuffleBuffer:
     """A seeded shuffle buffer: once `size` items are held, each new item replaces a random one, which comes out.
 
     The order depends only on the number of items and the RNG, so it is the same whether the items come from a
-    stream or from memory. Size 1 keeps the input order.
+    stream or from memory. Size 1 keeps the input order. Its items and RNG are its whole state.
     """
-    buffer: list[T] = []
+
+    def __init__(self, size: int, rng: random.Random) -> None:
+        self.size, self.rng = size, rng
+        self.items: list = []
+
+    def push(self, item: T) -> Optional[T]:
+        """The item that comes out as `item` goes in; None while the buffer fills."""
+        if len(self.items) < self.size:
+            self.items.append(item)
+            return None
+        slot = self.rng.randrange(self.size)
+        out, self.items[slot] = self.items[slot], item
+        return out
+
+    def drain(self) -> list:
+        """What is left, shuffled, in the order it comes out; the buffer is then empty."""
+        self.rng.shuffle(self.items)
+        items, self.items = self.items, []
+        return items
+
+
+def buffer_shuffle(items: Iterable[T], size: int, rng: random.Random) -> Iterator[T]:
+    """`items` through a ShuffleBuffer."""
+    buffer = ShuffleBuffer(size, rng)
     for item in items:
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        slot = rng.randrange(size)
-        yield buffer[slot]
-        buffer[slot] = item
-    rng.shuffle(buffer)
-    yield from buffer
+        out = buffer.push(item)
+        if out is not None:
+            yield out
+    yield from buffer.drain()
 
 
 def epoch_rng(seed: int, epoch: int) -> random.Random:
@@ -314,9 +334,8 @@ class StreamedRows:
         self.pass_stats = PretrainStats(streamed=True, rows_per_step=self.stats.rows_per_step)
         self.cutter = RowCutter(self.max_length, self.tokenizer.eos_token_id)
         self.cut: deque[list[int]] = deque()  # rows cut, not yet through the shuffle buffer
-        self.buffer: list[list[int]] = []
-        self.draining = False  # the pass's records are read: the buffer empties, in shuffled order
-        self.rng = epoch_rng(self.seed, epoch)
+        self.shuffle = ShuffleBuffer(self.shuffle_buffer, epoch_rng(self.seed, epoch))
+        self.drained: Optional[deque[list[int]]] = None  # once the pass's records are read: the buffer's last rows
         self.held: list[list[int]] = []  # rows of the step being collected
         self.source: Optional[Iterator[tuple[int, str]]] = None  # opened at pass_stats.records when needed
 
@@ -326,20 +345,24 @@ class StreamedRows:
         def table(rows) -> torch.Tensor:
             return torch.tensor(list(rows), dtype=torch.int32).reshape(-1, self.max_length)
 
+        draining = self.drained is not None
         return {"next_id": self.next_id + len(self.ready), "epoch": self.epoch, "pass": asdict(self.pass_stats),
                 "last_pass": asdict(self.stats), "rows_read": self.rows_read,
                 "cutter": torch.tensor(self.cutter.pending, dtype=torch.int32), "cut": table(self.cut),
-                "buffer": table(self.buffer), "draining": self.draining, "rng": self.rng.getstate(),
-                "held": table(self.held)}
+                "buffer": table(self.drained if draining else self.shuffle.items), "draining": draining,
+                "rng": self.shuffle.rng.getstate(), "held": table(self.held)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.start_pass(state["epoch"])
         self.pass_stats, self.stats = PretrainStats(**state["pass"]), PretrainStats(**state["last_pass"])
         self.rows_read = state["rows_read"]
         self.cutter.pending = state["cutter"].tolist()
-        self.cut, self.buffer = deque(state["cut"].tolist()), state["buffer"].tolist()
-        self.draining = state["draining"]
-        self.rng.setstate(state["rng"])
+        self.cut = deque(state["cut"].tolist())
+        if state["draining"]:
+            self.drained = deque(state["buffer"].tolist())
+        else:
+            self.shuffle.items = state["buffer"].tolist()
+        self.shuffle.rng.setstate(state["rng"])
         self.held = state["held"].tolist()
         self.ready, self.next_id = deque(), state["next_id"]
 
@@ -368,20 +391,14 @@ class StreamedRows:
         return self.cut.popleft()
 
     def shuffled_row(self) -> Optional[list[int]]:
-        """buffer_shuffle over cut_row, one row at a time, its state kept on self; None at the end of the pass."""
-        while not self.draining:
+        """The next row out of the shuffle buffer (buffer_shuffle, one row at a time); None at the end of the pass."""
+        while self.drained is None:
             row = self.cut_row()
             if row is None:
-                self.rng.shuffle(self.buffer)
-                self.buffer.reverse()  # handed out from the end, so in the shuffled order
-                self.draining = True
-            elif len(self.buffer) < self.shuffle_buffer:
-                self.buffer.append(row)
-            else:
-                slot = self.rng.randrange(self.shuffle_buffer)
-                row, self.buffer[slot] = self.buffer[slot], row
-                return row
-        return self.buffer.pop() if self.buffer else None
+                self.drained = deque(self.shuffle.drain())
+            elif (out := self.shuffle.push(row)) is not None:
+                return out
+        return self.drained.popleft() if self.drained else None
 
     def next_step(self) -> None:
         """Gather the next step's rows into `ready`. A pass's last partial step is dropped; the next pass begins."""

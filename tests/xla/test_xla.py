@@ -35,7 +35,8 @@ def xla_config(tiny_model_dir, clean_dolly, tmp_path_factory):
     config = {"model_name": str(tiny_model_dir), "dataset_path": str(clean_dolly), "max_length": 128,
               "batch_size": 1, "gradient_accumulation_steps": 1, "lr": 3.0e-3, "min_lr": 1.0e-4, "warmup_steps": 2,
               "weight_decay": 0.1, "max_grad_norm": 1.0, "max_steps": STEPS, "eval_every": None, "eval_steps": None,
-              "save_every": SAVE_AT, "keep_last": None, "val_fraction": 0.05, "seed": 7, "num_proc": 1, "report_to": ["jsonl"]}
+              "save_every": SAVE_AT, "keep_last": None, "val_fraction": 0.05, "seed": 7, "num_proc": 1,
+              "report_to": ["jsonl"]}
     path = tmp_path_factory.mktemp("xla-config") / "train.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
