@@ -3,12 +3,11 @@ Each run is killed with SIGKILL inside the second epoch (after step 14) and resu
 
 Tolerance. A resume restores the same bytes on every rank (weights, optimiser or ZeRO partition, scheduler, RNG per
 rank), and each later step runs the same per-rank arithmetic and the same two-rank all-reduce, so no summation order
-changes: against the uninterrupted run of the same launcher the difference is exactly 0 (measured: DDP 0 here,
-ZeRO-2 0 by hand), and the DDP test requires bitwise equality. The ZeRO-2 test, to save a launch, compares with the
-1-process reference instead; the two differ only by the order in which ranks' gradients are summed, measured at
-2.2e-6 (DDP) and 6.6e-6 (ZeRO-2) after these 30 steps. It uses the parity bound of the distributed tests, 1e-5
-(a wrongly normalised loss moves weights by 5e-4 or more; a resume that dropped the Adam moments at step 16 moved
-them by 3.6e-3, measured).
+changes: against the uninterrupted run of the same launcher the difference is exactly 0, and both tests require
+bitwise equality. Against the 1-process reference the runs differ only by the order in which ranks' gradients are
+summed, compounded over 30 AdamW steps: measured 2.2e-6 (DDP) and 1.24e-5 (ZeRO-2, whose bucketed fp32 reduction
+differs more). The bounds, 1e-5 and 2e-5, stay far below what a real fault does (a wrongly normalised loss moves
+weights by 5e-4 or more; a resume that dropped the Adam moments at step 16 moved them by 3.6e-3, measured).
 """
 
 from __future__ import annotations
@@ -40,11 +39,14 @@ def test_ddp_kill_and_resume_matches_the_uninterrupted_ddp_run(resume_config, re
     assert max_weight_difference(out / "final", reference / "final") < 1e-5
 
 
-def test_zero2_kill_and_resume_matches_the_single_process_run(resume_config, reference, tmp_path):
-    """DeepSpeed ZeRO-2 (2 processes, each resuming its own optimiser partition from deepspeed/): compared with the
-    1-process reference within the parity tolerance of 1e-5 (measured against an uninterrupted ZeRO-2 run: 0)."""
+def test_zero2_kill_and_resume_matches_the_uninterrupted_zero2_run(resume_config, reference, tmp_path):
+    """DeepSpeed ZeRO-2 (2 processes, each resuming its own optimiser partition from deepspeed/): bitwise equal to
+    the uninterrupted ZeRO-2 run, and within the parity tolerance of the 1-process reference."""
     pytest.importorskip("deepspeed")
-    out = tmp_path / "run"
+    uninterrupted, out = tmp_path / "uninterrupted", tmp_path / "run"
+    result = run_train(resume_config, uninterrupted, *DDP, processes=2, deepspeed=True)
+    assert result.returncode == 0, explain(result)
+
     killed = run_train(resume_config, out, *DDP, processes=2, deepspeed=True, crash="after_step:14")
     assert killed.returncode != 0, explain(killed)
     partitions = sorted(p.name for p in (out / "step_12" / "deepspeed" / "engine").glob("zero_pp_rank_*"))
@@ -53,9 +55,5 @@ def test_zero2_kill_and_resume_matches_the_single_process_run(resume_config, ref
     resumed = run_train(resume_config, out, *DDP, "resume=auto", processes=2, deepspeed=True)
     assert resumed.returncode == 0, explain(resumed)
     assert "step_12 at step 12" in resumed.stdout
-    assert_steps_monotone(out, TOTAL_STEPS)
-    losses = [(r["step"], r["loss"]) for r in exact_rows(out) if "loss" in r]
-    expected = [(r["step"], r["loss"]) for r in exact_rows(reference) if "loss" in r]
-    assert [s for s, _ in losses] == [s for s, _ in expected]
-    assert max(abs(a - b) for (_, a), (_, b) in zip(losses, expected)) < 1e-5
-    assert max_weight_difference(out / "final", reference / "final") < 1e-5
+    assert_same_run(out, uninterrupted, TOTAL_STEPS)  # bitwise, see the module docstring
+    assert max_weight_difference(out / "final", reference / "final") < 2e-5
