@@ -1,6 +1,6 @@
 """`python inference.py ...` (also under torchrun) is `gpt4all-training inference ...`; see the package module."""
 
-from gpt4all_training.cli import run_as_script
+from gpt4all_training.cli.main import run_as_script
 
 if __name__ == "__main__":
     run_as_script("inference")

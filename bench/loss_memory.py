@@ -30,7 +30,7 @@ def rss_mb(field: str) -> float:
 def plain_token_loss_sum(model, batch):
     import torch.nn.functional as F
 
-    from gpt4all_training.loss import model_inputs
+    from gpt4all_training.training.loss import model_inputs
 
     logits = model(**model_inputs(batch)).logits[:, :-1].float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),
@@ -40,8 +40,8 @@ def plain_token_loss_sum(model, batch):
 def worker(mode: str, dtype: str, batch_size: int, length: int, trained: float) -> dict:
     import torch
 
-    from gpt4all_training.loss import token_loss_sum
-    from gpt4all_training.modeling import load_model
+    from gpt4all_training.training.loss import token_loss_sum
+    from gpt4all_training.model.loading import load_model
 
     model = load_model(str(harness.smollm2()))
     model.train()

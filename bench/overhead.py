@@ -21,8 +21,8 @@ import harness  # noqa: E402
 
 
 def run_loop(kind: str, steps: int, out: Path, extra: list[str]) -> dict:
-    import gpt4all_training.train as loop
-    from gpt4all_training.config import load_config
+    import gpt4all_training.training.loop as loop
+    from gpt4all_training.config.loader import load_config
 
     ends: list[float] = []
     trained: list[float] = []
@@ -44,12 +44,12 @@ def run_loop(kind: str, steps: int, out: Path, extra: list[str]) -> dict:
 def run_bare(kind: str, steps: int, out: Path, extra: list[str]) -> dict:
     import torch
 
-    from gpt4all_training.config import load_config
-    from gpt4all_training.data import load_data
-    from gpt4all_training.loss import token_loss_sum, trained_token_count
-    from gpt4all_training.modeling import apply_lora, load_model, load_tokenizer, param_groups
-    from gpt4all_training.packing import batch_fetcher
-    from gpt4all_training.sampler import StepSampler
+    from gpt4all_training.config.loader import load_config
+    from gpt4all_training.data.sft import load_data
+    from gpt4all_training.training.loss import token_loss_sum, trained_token_count
+    from gpt4all_training.model.loading import apply_lora, load_model, load_tokenizer, param_groups
+    from gpt4all_training.data.batching import batch_fetcher
+    from gpt4all_training.data.sampling import StepSampler
 
     config = load_config(None, harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out,
                                                       steps) + extra)

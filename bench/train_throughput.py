@@ -73,7 +73,7 @@ def gpt4all_load_data(config, tokenizer):
     import numpy as np
     from datasets import Dataset
 
-    from gpt4all_training.data import DataStats, load_records, split_records
+    from gpt4all_training.data.sft import DataStats, load_records, split_records
 
     train_raw, _ = split_records(load_records(config.dataset_path), config.val_fraction, config.seed)
     rows = [gpt4all_tokenize(p, r, tokenizer, config.max_length)
@@ -102,8 +102,8 @@ def gpt4all_fetch(dataset, indices: list[int], pad_id: int):
 # ---------------------------------------------------------------- one run (in a worker process)
 
 def run_ours(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
-    import gpt4all_training.train as loop
-    from gpt4all_training.config import load_config
+    import gpt4all_training.training.loop as loop
+    from gpt4all_training.config.loader import load_config
 
     steps_log: list[tuple[float, float, float, float]] = []
     started: list[float] = []
@@ -132,8 +132,8 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = ha
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from gpt4all_training.data import format_prompt, load_records, split_records
-    from gpt4all_training.modeling import load_model, load_tokenizer
+    from gpt4all_training.data.sft import format_prompt, load_records, split_records
+    from gpt4all_training.model.loading import load_model, load_tokenizer
 
     m = harness.MODELS[kind]
     path = harness.model_dir(kind)
@@ -205,9 +205,9 @@ def final_eval_loss(final_dir: Path) -> float:
     """The saved model's token-weighted loss on our tokenisation of the validation split, fp32, for every row."""
     from accelerate import Accelerator
 
-    from gpt4all_training.data import finish_split, load_records, split_records, tokenize_dataset
-    from gpt4all_training.evaluate import evaluate_loss
-    from gpt4all_training.modeling import load_model, load_tokenizer
+    from gpt4all_training.data.sft import finish_split, load_records, split_records, tokenize_dataset
+    from gpt4all_training.training.evaluate import evaluate_loss
+    from gpt4all_training.model.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(str(final_dir))
     model = load_model(str(final_dir))

@@ -33,7 +33,7 @@ def smollm2_gguf() -> Path:
 
 
 def accuracy(model, tokenizer, records: list[dict]) -> tuple[float, list[str]]:
-    from gpt4all_training.generate import generate_texts
+    from gpt4all_training.generation.generate import generate_texts
 
     answers = generate_texts(model, tokenizer, [r["prompt"] for r in records], "chat", max_new_tokens=16,
                              batch_size=20)
@@ -61,13 +61,13 @@ def main() -> None:
 
     import torch
 
-    from gpt4all_training.build_map import build_map
-    from gpt4all_training.clean import clean, print_report
-    from gpt4all_training.config import load_config
-    from gpt4all_training.export import export
-    from gpt4all_training.inference import InferenceConfig, run_inference
-    from gpt4all_training.modeling import load_model, load_tokenizer
-    from gpt4all_training.train import train
+    from gpt4all_training.analysis.build_map import build_map
+    from gpt4all_training.data.clean import clean, print_report
+    from gpt4all_training.config.loader import load_config
+    from gpt4all_training.export.hf import export
+    from gpt4all_training.analysis.inference import InferenceConfig, run_inference
+    from gpt4all_training.model.loading import load_model, load_tokenizer
+    from gpt4all_training.training.loop import train
 
     started = time.perf_counter()
     out = Path(args.out)

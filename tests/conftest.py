@@ -43,7 +43,7 @@ def assets(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(assets) -> Path:
-    from gpt4all_training.tokenizer import train_bpe_tokenizer
+    from gpt4all_training.data.bpe import train_bpe_tokenizer
 
     path = assets / "tokenizer"
     tokenizer = train_bpe_tokenizer(dolly_texts(), vocab_size=1000)
@@ -53,7 +53,7 @@ def tokenizer_dir(assets) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir):
-    from gpt4all_training.modeling import load_tokenizer
+    from gpt4all_training.model.loading import load_tokenizer
 
     return load_tokenizer(str(tokenizer_dir))
 
@@ -65,7 +65,7 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 @pytest.fixture(scope="session")
 def chat_tokenizer(tokenizer_dir, tmp_path_factory):
     """The session BPE tokenizer plus two special tokens appended after the BPE vocabulary, and a chat template."""
-    from gpt4all_training.modeling import load_tokenizer
+    from gpt4all_training.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -98,7 +98,7 @@ def tiny_model_dir(assets, tokenizer_dir, tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def clean_dolly(assets) -> Path:
     """The Dolly sample run through clean.py: a folder holding dolly-sample_clean.jsonl."""
-    from gpt4all_training.clean import clean
+    from gpt4all_training.data.clean import clean
 
     out = assets / "dolly-clean"
     clean([str(DOLLY)], out)

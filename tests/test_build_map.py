@@ -19,10 +19,10 @@ import pytest
 from PIL import Image  # installed with tensorboard (requirements.txt); an independent PNG decoder
 
 from conftest import REPO, build_tiny_gptj
-from gpt4all_training.build_map import (BACKGROUND, build_map, cluster_labels, encode_png, kmeans, load_run,
+from gpt4all_training.analysis.build_map import (BACKGROUND, build_map, cluster_labels, encode_png, kmeans, load_run,
                                         loss_change, nearest_neighbors, neighbor_layout, pca, truncate)
 from gpt4all_training.errors import UserError
-from gpt4all_training.inference import InferenceConfig, embedding_array, run_inference
+from gpt4all_training.analysis.inference import InferenceConfig, embedding_array, run_inference
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run", "--disable-sync", "--hide-scrollbars",
@@ -328,7 +328,7 @@ def test_loss_change_matches_rows_by_split_and_index(tmp_path):
 
 
 def test_missing_input_is_a_one_line_error(tmp_path, capsys):
-    from gpt4all_training.cli import main
+    from gpt4all_training.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["build_map", "--input", str(tmp_path / "nothing"), "--output", str(tmp_path / "map.html")])

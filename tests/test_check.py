@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import DOLLY, write_jsonl
-from gpt4all_training import check
-from gpt4all_training.check import GIB, memory_problem, room_problem, run, run_checks
-from gpt4all_training.plan import Memory
+from gpt4all_training.preflight import check
+from gpt4all_training.preflight.check import GIB, memory_problem, room_problem, run, run_checks
+from gpt4all_training.preflight.plan import Memory
 
 
 def write_config(folder: Path, **values) -> Path:
@@ -85,7 +85,7 @@ def test_dataset_failures_name_the_first_bad_line(base_values, tmp_path):
 def test_tokenizer_of_another_vocabulary_is_refused(base_values, tmp_path):
     """A GPT-2-style tokenizer of 1,200 tokens with a model of 1,000: ids past 999 would index outside it."""
     from conftest import dolly_texts
-    from gpt4all_training.tokenizer import train_bpe_tokenizer
+    from gpt4all_training.data.bpe import train_bpe_tokenizer
 
     other = tmp_path / "other-tokenizer"
     train_bpe_tokenizer(dolly_texts(), vocab_size=1200).save_pretrained(other)
@@ -112,7 +112,7 @@ def test_tokenizer_with_another_eos_and_a_too_long_max_length(base_values, tiny_
 def test_adapter_folder_is_recognised_and_a_lost_base_is_not(base_values, tiny_model_dir, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from gpt4all_training.modeling import apply_lora
+    from gpt4all_training.model.loading import apply_lora
 
     adapter = tmp_path / "adapter"
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import DOLLY, OASST, PYTHON, REPO, write_jsonl
 
-from gpt4all_training.clean import Filters, clean
+from gpt4all_training.data.clean import Filters, clean
 from gpt4all_training.errors import UserError
 
 MALFORMED = REPO / "tests" / "data" / "malformed.jsonl"

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from conftest import PYTHON, REPO
 
-from gpt4all_training.cli import COMMANDS
+from gpt4all_training.cli.main import COMMANDS
 
 COMMAND = str(Path(PYTHON).parent / "gpt4all-training")
 

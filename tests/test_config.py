@@ -15,7 +15,7 @@ import yaml
 from conftest import PYTHON, REPO
 
 from gpt4all_training import cli
-from gpt4all_training.config import TrainConfig, load_config, save_config
+from gpt4all_training.config.loader import TrainConfig, load_config, save_config
 from gpt4all_training.errors import UserError
 
 TRAIN_CONFIGS = REPO / "configs" / "train"

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 import torch
 from conftest import CHAT_TEMPLATE, PYTHON, REPO, dolly_texts, write_jsonl
 
-from gpt4all_training.config import TrainConfig, load_config
-from gpt4all_training.data import (IGNORE, build_example, collate, encode_prompts, finish_split, format_prompt,
+from gpt4all_training.config.loader import TrainConfig, load_config
+from gpt4all_training.data.sft import (IGNORE, build_example, collate, encode_prompts, finish_split, format_prompt,
                                    load_data, load_records, show_example, tokenize_batch, tokenize_dataset)
 from gpt4all_training.errors import UserError
 
@@ -165,7 +165,7 @@ def test_truncated_example_with_the_fixture_tokenizer(tokenizer):
 
 
 def test_boundary_is_exact_where_bpe_would_merge_across_it():
-    from gpt4all_training.tokenizer import train_bpe_tokenizer
+    from gpt4all_training.data.bpe import train_bpe_tokenizer
 
     # A vocabulary that merges "\n\n": joined, the prompt's "\n" and the response's first "\n" become one token.
     tokenizer = train_bpe_tokenizer(["Question one\n\n\nAnswer one", "Question two\n\n\nAnswer two"] * 20, 300)

@@ -21,7 +21,7 @@ import yaml
 
 from conftest import CHAT_TEMPLATE, PYTHON, REPO, dolly_texts
 from gpt4all_training.errors import UserError
-from gpt4all_training.export import export
+from gpt4all_training.export.hf import export
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -182,7 +182,7 @@ def test_gguf_half_precision_stores_rounded_weights(tiny_llama_dir, dtype, torch
 
 
 def test_cli_prints_each_file_with_its_size(tiny_llama_dir, tmp_path, capsys):
-    from gpt4all_training.cli import main
+    from gpt4all_training.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["export", "--from", str(tiny_llama_dir), "--to", str(tmp_path / "tiny"), "--format", "gguf",
@@ -195,7 +195,7 @@ def test_cli_prints_each_file_with_its_size(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_q8_0_falls_back_to_f16_for_rows_not_a_multiple_of_32():
-    from gpt4all_training.gguf_export import encode_tensor
+    from gpt4all_training.export.gguf import encode_tensor
 
     rows = torch.randn(4, 48).numpy()
     data, qtype = encode_tensor(rows, "q8_0")
@@ -207,7 +207,7 @@ def test_q8_0_falls_back_to_f16_for_rows_not_a_multiple_of_32():
 
 def test_gguf_name_keeps_mistral_out():
     """transformers would load a llama file named "mistral" as Mistral."""
-    from gpt4all_training.gguf_export import gguf_name
+    from gpt4all_training.export.gguf import gguf_name
 
     assert gguf_name("my-Mistral-7B-tune") == "my-7B-tune"
     assert gguf_name("mistral") == "model" and gguf_name("smollm2-dolly") == "smollm2-dolly"
@@ -247,7 +247,7 @@ def make_adapter(base_name: str, path, seed: int = 1):
     """A PEFT adapter on `base_name` with random non-zero B matrices (a fresh adapter is a no-op)."""
     from peft import LoraConfig, get_peft_model
 
-    from gpt4all_training.modeling import load_model
+    from gpt4all_training.model.loading import load_model
 
     model = get_peft_model(load_model(base_name, dtype=torch.float32),
                            LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS))

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, build_tiny_gptj, write_jsonl
-from gpt4all_training.data import encode_prompts, format_prompt
-from gpt4all_training.generate import (Sampling, cut_at_stop, eos_token_ids, generate_ids, generate_texts,
+from gpt4all_training.data.sft import encode_prompts, format_prompt
+from gpt4all_training.generation.generate import (Sampling, cut_at_stop, eos_token_ids, generate_ids, generate_texts,
                                        next_tokens, process_logits)
 
 PROMPTS = ["Which is a species of fish? Tope or Rope", "Why can camels survive for long without water?",
@@ -184,14 +184,14 @@ def test_cli_prompts_file_gives_jsonl_equal_to_the_function(tiny_model_dir, toke
                              "max_new_tokens=8"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    from gpt4all_training.modeling import load_model
+    from gpt4all_training.model.loading import load_model
 
     expected = generate_texts(load_model(str(tiny_model_dir)).eval(), tokenizer, PROMPTS, "auto", 8)
     assert rows == [{"prompt": p, "response": r} for p, r in zip(PROMPTS, expected)]
 
 
 def test_cli_bad_prompts_file_is_one_line(tiny_model_dir, tmp_path, capsys):
-    from gpt4all_training.cli import main
+    from gpt4all_training.cli.main import main
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"text": "no prompt"}\n')
@@ -202,9 +202,9 @@ def test_cli_bad_prompts_file_is_one_line(tiny_model_dir, tmp_path, capsys):
 
 
 def test_config_rejects_out_of_range_sampling():
-    from gpt4all_training.config import load_config
+    from gpt4all_training.config.loader import load_config
     from gpt4all_training.errors import UserError
-    from gpt4all_training.generate import GenerateConfig, validate_generate
+    from gpt4all_training.generation.generate import GenerateConfig, validate_generate
 
     with pytest.raises(UserError, match=r"^top_p: must be in \(0, 1\], got 1.5$"):
         load_config(None, ["model_name=m", "top_p=1.5"], cls=GenerateConfig, check=validate_generate)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, build_tiny_gptj, write_jsonl
-from gpt4all_training.config import load_config
-from gpt4all_training.data import IGNORE, collate, load_data
+from gpt4all_training.config.loader import load_config
+from gpt4all_training.data.sft import IGNORE, collate, load_data
 from gpt4all_training.errors import UserError
-from gpt4all_training.modeling import load_model
-from gpt4all_training.inference import (InferenceConfig, example_losses, length_sorted_order, pool_hidden,
+from gpt4all_training.model.loading import load_model
+from gpt4all_training.analysis.inference import (InferenceConfig, example_losses, length_sorted_order, pool_hidden,
                                         rank_share, run_inference, validate_inference)
 
 # Measured: 1 vs 2 processes differ by at most 1e-6 in loss and 7e-7 in embeddings (fp32, different batches).

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import build_tiny_gptj
-from gpt4all_training.data import IGNORE, collate, load_records, tokenize_dataset
+from gpt4all_training.data.sft import IGNORE, collate, load_records, tokenize_dataset
 from gpt4all_training.errors import UserError
-from gpt4all_training.loss import model_inputs, token_loss_sum
-from gpt4all_training.packing import (balanced_bins, check_isolation, collate_packed, first_fit_decreasing,
+from gpt4all_training.training.loss import model_inputs, token_loss_sum
+from gpt4all_training.data.batching import (balanced_bins, check_isolation, collate_packed, first_fit_decreasing,
                                       pack_rows)
-from gpt4all_training.sampler import StepSampler
+from gpt4all_training.data.sampling import StepSampler
 
 
 # ---------------------------------------------------------------- fixtures
@@ -180,7 +180,7 @@ def test_isolation_check_passes_real_models_and_refuses_naive_concatenation(toke
 def one_step(tokenizer, micro_batches, max_grad_norm=1.0) -> dict[str, torch.Tensor]:
     from accelerate import Accelerator
 
-    from gpt4all_training.train import train_step
+    from gpt4all_training.training.loop import train_step
 
     model = build_tiny_gptj(tokenizer, seed=3)
     model.train()
@@ -207,8 +207,8 @@ def test_packed_training_run_equals_unpacked_run(tiny_model_dir, clean_dolly, tm
     """packing: true and group_by_length: true train the same steps as the plain run (end to end, through train())."""
     from safetensors.torch import load_file
 
-    from gpt4all_training.config import load_config
-    from gpt4all_training.train import train
+    from gpt4all_training.config.loader import load_config
+    from gpt4all_training.training.loop import train
 
     def run(name: str, *extra: str):
         overrides = [f"model_name={tiny_model_dir}", f"dataset_path={clean_dolly}", "max_length=128",

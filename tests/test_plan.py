@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from conftest import write_jsonl
-from gpt4all_training.config import TrainConfig, validate
-from gpt4all_training.plan import (GIB, ModelShape, activation_bytes, checkpoint_steps, make_plan, memory_per_gpu,
+from gpt4all_training.config.loader import TrainConfig, validate
+from gpt4all_training.preflight.plan import (GIB, ModelShape, activation_bytes, checkpoint_steps, make_plan, memory_per_gpu,
                                    most_kept, run, run_layout)
-from gpt4all_training.sampler import StepSampler
-from gpt4all_training.schedule import learning_rate
-from gpt4all_training.tracking import read_metrics
+from gpt4all_training.data.sampling import StepSampler
+from gpt4all_training.training.schedule import learning_rate
+from gpt4all_training.tracking.tracker import read_metrics
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -51,7 +51,7 @@ SETTINGS = {
 
 @pytest.mark.parametrize("name", SETTINGS)
 def test_planned_steps_tokens_and_padding_are_what_training_does(name, tiny_model_dir, varied_pairs, tmp_path):
-    from gpt4all_training.train import train
+    from gpt4all_training.training.loop import train
 
     config = config_for(tiny_model_dir, varied_pairs, tmp_path / name, **SETTINGS[name])
     plan = make_plan(config)

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from conftest import REPO, write_jsonl
-from gpt4all_training.config import load_config
+from gpt4all_training.config.loader import load_config
 from gpt4all_training.errors import UserError
-from gpt4all_training.modeling import build_model_from_config, resolve_model_config
-from gpt4all_training.pretrain_data import (CausalLMLoss, MaterializedRows, PretrainStats, RowSampler,
+from gpt4all_training.model.loading import build_model_from_config, resolve_model_config
+from gpt4all_training.data.text import (CausalLMLoss, MaterializedRows, PretrainStats, RowSampler,
                                             buffer_shuffle, load_pretrain_data, training_batch)
-from gpt4all_training.tokenizer import train_bpe_tokenizer
-from gpt4all_training.tracking import read_metrics
+from gpt4all_training.data.bpe import train_bpe_tokenizer
+from gpt4all_training.tracking.tracker import read_metrics
 
 CONFIG = REPO / "configs" / "train" / "pretrain_tiny.yaml"
 # Measured on the tiny GPT-J after the config's 60 steps (fp32, CPU): train loss 0.695, val loss 0.672.
@@ -51,14 +51,14 @@ def config_for(corpus: Path, output: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def text_tokenizer(corpus):
-    from gpt4all_training.modeling import load_tokenizer
+    from gpt4all_training.model.loading import load_tokenizer
 
     return load_tokenizer(str(corpus / "tok"))
 
 
 @pytest.fixture(scope="module")
 def from_scratch_run(corpus, tmp_path_factory):
-    from gpt4all_training.train import train
+    from gpt4all_training.training.loop import train
 
     output = tmp_path_factory.mktemp("run")
     config = config_for(corpus, output, "save_every=null")
@@ -81,7 +81,7 @@ def test_tiny_model_from_scratch_reaches_a_fixed_loss(from_scratch_run, text_tok
 
 
 def test_plan_matches_the_pretraining_run(from_scratch_run):
-    from gpt4all_training.plan import make_plan
+    from gpt4all_training.preflight.plan import make_plan
 
     config, summary, output = from_scratch_run
     plan = make_plan(config)
@@ -155,7 +155,7 @@ def test_streaming_resume_is_exact(corpus, tmp_path):
     """8 steps straight through, against 4 steps, a checkpoint, and a resume from the stream position it saved."""
     from safetensors.torch import load_file
 
-    from gpt4all_training.train import train
+    from gpt4all_training.training.loop import train
 
     settings = ["streaming=true", "max_steps=8", "warmup_steps=2", "anneal_steps=5", "save_every=4", "keep_last=null",
                 "eval_every=null", "val_fraction=0"]
@@ -221,7 +221,7 @@ def test_stream_replays_to_any_position(corpus, text_tokenizer):
 def test_causal_lm_loss_with_z_loss_and_last_position(corpus, text_tokenizer):
     from accelerate import Accelerator
 
-    from gpt4all_training.loss import token_loss_sum
+    from gpt4all_training.training.loss import token_loss_sum
 
     torch.manual_seed(0)
     config = config_for(corpus, corpus / "unused")
@@ -272,7 +272,7 @@ def test_pretraining_config_errors_name_the_key(corpus, overrides, message):
 
 
 def test_check_passes_on_the_pretraining_config(corpus, tmp_path):
-    from gpt4all_training.check import run_checks
+    from gpt4all_training.preflight.check import run_checks
 
     lines = []
     outcomes = run_checks(str(CONFIG), [f"dataset_path={corpus / 'text.jsonl'}", f"tokenizer_name={corpus / 'tok'}",
@@ -292,7 +292,7 @@ def test_two_ranks_train_the_same_steps_as_one(corpus, tmp_path):
     import subprocess
 
     from conftest import PYTHON
-    from gpt4all_training.train import train
+    from gpt4all_training.training.loop import train
 
     settings = [f"dataset_path={corpus / 'text.jsonl'}", f"tokenizer_name={corpus / 'tok'}", "streaming=true",
                 "max_steps=6", "save_every=null", "eval_every=null", "val_fraction=0"]

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpt4all_training import cli
-from gpt4all_training.clean import Filters, clean_file
-from gpt4all_training.config import TrainConfig, config_fields, load_config, shown
-from gpt4all_training.data import IGNORE, finish_split, tokenize_batch, tokenize_dataset
+from gpt4all_training.data.clean import Filters, clean_file
+from gpt4all_training.config.loader import TrainConfig, config_fields, load_config, shown
+from gpt4all_training.data.sft import IGNORE, finish_split, tokenize_batch, tokenize_dataset
 from gpt4all_training.errors import UserError
 
 
@@ -180,7 +180,7 @@ def test_lone_surrogate_is_dropped_by_tokenize_batch(tokenizer):
 
 
 def test_lone_surrogates_never_reach_tokenisation(tmp_path):
-    from gpt4all_training.data import load_records
+    from gpt4all_training.data.sft import load_records
 
     (tmp_path / "s_clean.jsonl").write_text('{"prompt": "a\\ud800b", "response": "ok"}\n')
     with pytest.raises(UserError) as error:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from gpt4all_training.schedule import cosine_with_min_lr
+from gpt4all_training.training.schedule import cosine_with_min_lr
 
 LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 111  # decay over steps 10..110: 100 steps
 

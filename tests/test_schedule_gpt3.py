@@ -5,9 +5,9 @@ from functools import partial
 import pytest
 import torch
 
-from gpt4all_training.config import TrainConfig, validate
+from gpt4all_training.config.loader import TrainConfig, validate
 from gpt4all_training.errors import UserError
-from gpt4all_training.schedule import gpt3_schedule, learning_rate
+from gpt4all_training.training.schedule import gpt3_schedule, learning_rate
 
 LR, END_LR, WARMUP, ANNEAL = 1e-3, 1e-4, 4, 12
 
@@ -63,7 +63,7 @@ def test_learning_rate_dispatches_on_lr_schedule():
 
 def test_train_loop_scheduler_follows_gpt3():
     """The loop's LambdaLR (train.lr_factor) applies the same values to the optimiser, step by step."""
-    from gpt4all_training.train import lr_factor
+    from gpt4all_training.training.loop import lr_factor
 
     config = gpt3_config()
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
@@ -89,7 +89,7 @@ def test_gpt3_config_errors_name_the_key(overrides, message):
 
 
 def test_gpt3_from_yaml_overrides(tmp_path):
-    from gpt4all_training.config import load_config
+    from gpt4all_training.config.loader import load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("model_name: m\ndataset_path: d\nlr: 1e-3\nlr_schedule: gpt3\nanneal_steps: 12\n")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import PYTHON, REPO, dolly_texts, write_jsonl
 from gpt4all_training.errors import UserError
-from gpt4all_training.tokenizer import (EOS, TokenizerConfig, build_tokenizer, run, tokenizer_stats,
+from gpt4all_training.data.bpe import (EOS, TokenizerConfig, build_tokenizer, run, tokenizer_stats,
                                         train_bpe_tokenizer, validate_tokenizer_config)
 
 # Python source to learn from: the standard library's own modules, read by path (nothing is copied into the repo).
@@ -155,12 +155,12 @@ def test_bad_json_line_is_reported_with_its_number(tmp_path):
 
 def test_command_line_prints_statistics(code_corpus, tmp_path):
     out = tmp_path / "tok"
-    result = subprocess.run([PYTHON, "-m", "gpt4all_training.tokenizer", f"dataset_path={code_corpus}",
+    result = subprocess.run([PYTHON, "-m", "gpt4all_training.data.bpe", f"dataset_path={code_corpus}",
                              "vocab_size=800", "code_language=python", "max_examples=20", "heldout_size=2",
                              f"output_dir={out}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"tokenizer: 800 tokens, saved to {out}" in result.stdout
     assert "fertility: " in result.stdout and "indentation runs that are one token: 2 spaces" in result.stdout
-    bad = subprocess.run([PYTHON, "-m", "gpt4all_training.tokenizer", f"dataset_path={tmp_path / 'none.jsonl'}"],
+    bad = subprocess.run([PYTHON, "-m", "gpt4all_training.data.bpe", f"dataset_path={tmp_path / 'none.jsonl'}"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip() == f"error: dataset_path: {tmp_path / 'none.jsonl'} does not exist"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, build_tiny_gptj, write_jsonl
-from gpt4all_training.config import TrainConfig, validate
-from gpt4all_training.data import IGNORE, fetch_batch, load_data
-from gpt4all_training.tracking import read_metrics
+from gpt4all_training.config.loader import TrainConfig, validate
+from gpt4all_training.data.sft import IGNORE, fetch_batch, load_data
+from gpt4all_training.tracking.tracker import read_metrics
 
 THRESHOLD_LORA = 0.1  # measured 0.061 after 40 steps (fp32, CPU)
 PAIRS = [("What is the capital of France?", "Paris."), ("Name a primary colour.", "Red."),
@@ -36,7 +36,7 @@ def tiny_config(model_dir, data_dir, output_dir, **overrides) -> TrainConfig:
 
 
 def run_train(config: TrainConfig) -> dict:
-    from gpt4all_training.train import train
+    from gpt4all_training.training.loop import train
 
     return train(config)
 
@@ -91,7 +91,7 @@ def test_lora_overfits_eight_examples(lora_run):
 
 
 def test_lora_defaults_to_pefts_target_modules(tiny_model_dir):
-    from gpt4all_training.modeling import apply_lora, load_model
+    from gpt4all_training.model.loading import apply_lora, load_model
 
     model = apply_lora(load_model(str(tiny_model_dir)), 8, 16, 0.0, None, False)
     assert sorted(model.peft_config["default"].target_modules) == ["q_proj", "v_proj"]  # PEFT's choice for GPT-J
@@ -133,8 +133,8 @@ def test_saved_final_gives_the_in_memory_logits(tiny_model_dir, tokenizer, eight
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from gpt4all_training.modeling import apply_lora, load_model
-    from gpt4all_training.train import save_final
+    from gpt4all_training.model.loading import apply_lora, load_model
+    from gpt4all_training.training.loop import save_final
 
     _, batch = training_batch(tokenizer, tiny_model_dir, eight_examples, [0, 1, 2])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -184,9 +184,9 @@ def one_sgd_step(model_dir, tokenizer, train_ds, batch_size, accumulation, naive
     """The weight change of one real train_step with SGD(lr=1): minus the step's gradient."""
     from accelerate import Accelerator
 
-    from gpt4all_training.modeling import load_model
-    from gpt4all_training.sampler import StepSampler
-    from gpt4all_training.train import train_step
+    from gpt4all_training.model.loading import load_model
+    from gpt4all_training.data.sampling import StepSampler
+    from gpt4all_training.training.loop import train_step
 
     accelerator = Accelerator()
     model = load_model(str(model_dir))
@@ -196,7 +196,7 @@ def one_sgd_step(model_dir, tokenizer, train_ds, batch_size, accumulation, naive
     sampler = StepSampler(len(train_ds), batch_size, 1, 0, accumulation, seed=0)
     batches = [fetch_batch(train_ds, indices, tokenizer.pad_token_id) for indices in sampler.step_indices(0)]
     if naive:  # what gpt4all did: mean of per-micro-batch means
-        from gpt4all_training.loss import token_loss_sum, trained_token_count
+        from gpt4all_training.training.loss import token_loss_sum, trained_token_count
 
         for batch in batches:
             (token_loss_sum(model, batch) / trained_token_count(batch) / accumulation).backward()
@@ -234,9 +234,9 @@ def test_validation_loss_is_token_weighted(tiny_model_dir, tokenizer, clean_doll
     """val_loss = sum of token losses / trained tokens over the whole split, whatever the batch size."""
     from accelerate import Accelerator
 
-    from gpt4all_training.evaluate import evaluate_loss
-    from gpt4all_training.loss import token_loss_sum
-    from gpt4all_training.modeling import load_model
+    from gpt4all_training.training.evaluate import evaluate_loss
+    from gpt4all_training.training.loss import token_loss_sum
+    from gpt4all_training.model.loading import load_model
 
     (_, val_ds), _ = load_data(tiny_config(tiny_model_dir, clean_dolly, "unused", val_fraction=0.02), tokenizer)
     model = load_model(str(tiny_model_dir)).eval()

@@ -127,9 +127,9 @@ def initial_weights(tiny_model_dir):
 @pytest.fixture(scope="session")
 def validation(dist_config):
     """The validation split every run evaluated at its last step, rebuilt here from the same config."""
-    from gpt4all_training.config import load_config
-    from gpt4all_training.data import load_data
-    from gpt4all_training.modeling import load_tokenizer
+    from gpt4all_training.config.loader import load_config
+    from gpt4all_training.data.sft import load_data
+    from gpt4all_training.model.loading import load_tokenizer
 
     config = load_config(dist_config)
     tokenizer = load_tokenizer(config.model_name)

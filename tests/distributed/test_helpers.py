@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt4all_training.distributed import bucket_width, fingerprint
+from gpt4all_training.backends.accelerate import bucket_width, fingerprint
 
 
 def test_fingerprint_is_equal_for_equal_tensors_and_changes_with_one_bit():

@@ -16,8 +16,8 @@ import signal
 import sys
 from pathlib import Path
 
-import gpt4all_training.train as train
-from gpt4all_training.cli import main
+import gpt4all_training.training.loop as train
+from gpt4all_training.cli.main import main
 
 KIND, _, STEP = os.environ.get("FAULT", "none:0").partition(":")
 STEP = int(STEP)

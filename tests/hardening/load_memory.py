@@ -39,7 +39,7 @@ def naive_load(path: str):
 
 
 def main() -> None:
-    from gpt4all_training.modeling import load_model
+    from gpt4all_training.model.loading import load_model
 
     path, warmup = sys.argv[1:3]
     load_model(warmup)  # imports and first-call set-up are not the model's memory

@@ -20,7 +20,7 @@ from conftest import PYTHON, REPO
 from resume.harness import assert_bitwise_equal_weights, exact_rows, explain, free_port, metrics, step_dirs, weights
 
 from gpt4all_training import cli
-from gpt4all_training.checkpoint import verify
+from gpt4all_training.training.checkpoint import verify
 
 from .conftest import RUNNER, STEPS, error_lines, run_train, write_data
 
@@ -119,7 +119,7 @@ def test_output_dir_made_read_only_mid_run_fails_at_the_next_save_in_one_line(ha
 # ---------------------------------------------------------------- a NaN loss at step k
 
 def test_nan_policy_and_ddp_timeout_are_validated(hard_config):
-    from gpt4all_training.config import load_config
+    from gpt4all_training.config.loader import load_config
     from gpt4all_training.errors import UserError
 
     config = load_config(hard_config, ["nan_policy=skip", "ddp_timeout_s=90"])

@@ -19,9 +19,9 @@ from conftest import REPO
 from resume.harness import explain
 
 from gpt4all_training import cli
-from gpt4all_training.checkpoint import MARKER, load_checkpoint, verify, write_marker
+from gpt4all_training.training.checkpoint import MARKER, load_checkpoint, verify, write_marker
 from gpt4all_training.errors import UserError
-from gpt4all_training.modeling import load_model, param_groups
+from gpt4all_training.model.loading import load_model, param_groups
 
 from .conftest import error_lines, run_train
 
@@ -78,9 +78,9 @@ def test_code_next_to_a_known_architecture_is_ignored_without_trust(tiny_model_d
 
 
 def test_every_config_leaves_trust_remote_code_off_by_default():
-    from gpt4all_training.config import TrainConfig, config_fields
-    from gpt4all_training.generate import GenerateConfig
-    from gpt4all_training.inference import InferenceConfig
+    from gpt4all_training.config.loader import TrainConfig, config_fields
+    from gpt4all_training.generation.generate import GenerateConfig
+    from gpt4all_training.analysis.inference import InferenceConfig
 
     assert {cls.__name__: config_fields(cls)["trust_remote_code"].default
             for cls in (TrainConfig, GenerateConfig, InferenceConfig)} == \

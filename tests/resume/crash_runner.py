@@ -15,11 +15,11 @@ import os
 import signal
 import sys
 
-import gpt4all_training.checkpoint as checkpoint
-import gpt4all_training.evaluate as evaluate
-import gpt4all_training.train as train
-import gpt4all_training.tracking as tracking
-from gpt4all_training.cli import main
+import gpt4all_training.training.checkpoint as checkpoint
+import gpt4all_training.training.evaluate as evaluate
+import gpt4all_training.training.loop as train
+import gpt4all_training.tracking.tracker as tracking
+from gpt4all_training.cli.main import main
 
 POINT, _, STEP = os.environ.get("CRASH_AT", "none:0").partition(":")
 STEP = int(STEP)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpt4all_training.checkpoint import (MARKER, check_resumable, find_resume_checkpoint, latest_checkpoint,
+from gpt4all_training.training.checkpoint import (MARKER, check_resumable, find_resume_checkpoint, latest_checkpoint,
                                          rng_state, rotate, set_rng_state, sha256, torch_save, verify)
 from gpt4all_training.errors import UserError
-from gpt4all_training.sampler import StepSampler
+from gpt4all_training.data.sampling import StepSampler
 
 from .conftest import TOTAL_STEPS
 from .harness import HubServer, assert_same_run, explain, hub_env, run_train, step_dirs
@@ -115,7 +115,7 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_pushes_nothin
 
 
 def test_resume_takes_auto_or_nothing(resume_config):
-    from gpt4all_training.config import load_config
+    from gpt4all_training.config.loader import load_config
 
     assert load_config(resume_config, ["resume=auto", "keep_every=100"]).resume == "auto"
     assert load_config(resume_config).resume is None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import signal
 
-from gpt4all_training.checkpoint import MARKER, verify
+from gpt4all_training.training.checkpoint import MARKER, verify
 
 from .conftest import TOTAL_STEPS
 from .harness import (assert_same_run, assert_steps_monotone, exact_rows, explain, metrics, run_train,

@@ -8,7 +8,7 @@ import subprocess
 
 from conftest import PYTHON, REPO
 
-from gpt4all_training.hub import push_folder
+from gpt4all_training.tracking.hub import push_folder
 
 from .harness import HubServer, explain, hub_env, run_train
 
@@ -56,7 +56,7 @@ def test_refused_token_is_not_retried(tmp_path):
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "config.json").write_text("{}")
     token = "hf_" + secrets.token_hex(16)
-    code = ("import sys; from gpt4all_training.hub import push_folder; "
+    code = ("import sys; from gpt4all_training.tracking.hub import push_folder; "
             "sys.exit(push_folder(sys.argv[1], 'someone/tiny', first_delay=0) is not None)")
     with HubServer(fail_with=401) as hub:
         result = subprocess.run([PYTHON, "-c", code, str(tmp_path / "final")], cwd=REPO, capture_output=True,

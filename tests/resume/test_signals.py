@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from gpt4all_training.checkpoint import GracefulStop, verify
+from gpt4all_training.training.checkpoint import GracefulStop, verify
 
 from .conftest import TOTAL_STEPS
 from .harness import assert_same_run, exact_rows, explain, run_train, step_dirs

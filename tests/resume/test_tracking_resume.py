@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from gpt4all_training.tracking import WANDB_ID_FILE, Tracker, read_metrics, wandb_run_id
+from gpt4all_training.tracking.tracker import WANDB_ID_FILE, Tracker, read_metrics, wandb_run_id
 
 
 def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):

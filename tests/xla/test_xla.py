@@ -62,9 +62,9 @@ def xla_resumed_run(xla_config, xla_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def validation(xla_config):
-    from gpt4all_training.config import load_config
-    from gpt4all_training.data import load_data
-    from gpt4all_training.modeling import load_tokenizer
+    from gpt4all_training.config.loader import load_config
+    from gpt4all_training.data.sft import load_data
+    from gpt4all_training.model.loading import load_tokenizer
 
     config = load_config(xla_config)
     tokenizer = load_tokenizer(config.model_name)
@@ -87,7 +87,7 @@ def test_first_step_loss_equals_the_cpu_loss(xla_run, validation, tiny_model_dir
     """Step 1 trains the untrained model's loss on the sampler's first batch: computed here on plain CPU torch."""
     from transformers import AutoModelForCausalLM
 
-    from gpt4all_training.sampler import StepSampler
+    from gpt4all_training.data.sampling import StepSampler
 
     config, train_ds, _, pad_id = validation
     (indices,) = StepSampler(len(train_ds), config.batch_size, seed=config.seed).step_indices(0)

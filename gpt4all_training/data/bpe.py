@@ -25,8 +25,8 @@ from typing import Iterable, Iterator, Optional
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from .config import doc, load_config
-from .errors import UserError
+from gpt4all_training.config.loader import doc, load_config
+from gpt4all_training.errors import UserError
 
 EOS = "<|endoftext|>"
 # A line's leading run of spaces and tabs (after a newline): isolated before the byte-level split.
@@ -189,7 +189,7 @@ def tokenizer_stats(tokenizer, texts: list[str], code_language: Optional[str] = 
 
 def build_tokenizer(config: TokenizerConfig) -> tuple[PreTrainedTokenizerFast, Optional[TokenizerStats]]:
     """Train on the configured stream (held-out records excluded) and measure on the held-out records."""
-    from .pretrain_data import iter_texts
+    from gpt4all_training.data.text import iter_texts
 
     held_out = HeldOut(config.heldout_size)
     texts = held_out.training_texts(iter_texts(config.dataset_path, config.revision, config.text_field,
@@ -227,6 +227,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import run_as_script
+    from gpt4all_training.cli.main import run_as_script
 
     run_as_script("tokenizer")

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 GIB = 2**30
 
@@ -61,7 +61,7 @@ def model_config_of(config):
     """The transformers config of the run's model, without its weights."""
     from transformers import AutoConfig
 
-    from .modeling import adapter_base, is_adapter_folder, model_source
+    from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source
 
     name = adapter_base(config.model_name) if is_adapter_folder(config.model_name) else config.model_name
     source, extra = model_source(name, config.gguf_file)
@@ -78,7 +78,7 @@ def model_shape(config, model_config=None) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .modeling import apply_lora, count_parameters
+    from gpt4all_training.model.loading import apply_lora, count_parameters
 
     model_config = model_config if model_config is not None else model_config_of(config)
     with torch.device("meta"), warnings.catch_warnings():
@@ -110,7 +110,7 @@ class Memory:
 
 def activation_bytes(shape: ModelShape, micro_batch: int, length: int, dtype: str,
                      gradient_checkpointing: bool) -> float:
-    from .loss import CHUNK_ELEMENTS
+    from gpt4all_training.training.loss import CHUNK_ELEMENTS
 
     s, b, h, a, layers = length, micro_batch, shape.hidden, shape.heads, shape.layers
     value_bytes = 4 if dtype == "float32" else 2
@@ -172,7 +172,7 @@ class TokenCounts:
 
 def count_run_tokens(layout: np.ndarray, lengths: np.ndarray, n_trained: np.ndarray, max_length: int,
                      packing_sample: int = PACKING_SAMPLE) -> TokenCounts:
-    from .packing import pack_rows
+    from gpt4all_training.data.batching import pack_rows
 
     micro = layout.reshape(-1, layout.shape[-1])
     micro_lengths = lengths[micro]
@@ -311,7 +311,7 @@ class Plan:
 
 def measured_tokens_per_second(output_dir: str) -> Optional[float]:
     """The median tokens_per_s an earlier run logged in output_dir/metrics.jsonl, if there is one."""
-    from .tracking import read_metrics
+    from gpt4all_training.tracking.tracker import read_metrics
 
     values = [row["tokens_per_s"] for row in read_metrics(Path(output_dir) / "metrics.jsonl")
               if isinstance(row.get("tokens_per_s"), (int, float))]
@@ -333,9 +333,9 @@ class DataPlan:
 
 def plan_finetune_data(config, tokenizer, gpus: int) -> DataPlan:
     """Prompt/response data: load_data, StepSampler and total_optimizer_steps, exactly as train.py calls them."""
-    from .data import load_data
-    from .sampler import StepSampler
-    from .train import total_optimizer_steps
+    from gpt4all_training.data.sft import load_data
+    from gpt4all_training.data.sampling import StepSampler
+    from gpt4all_training.training.loop import total_optimizer_steps
 
     (train_ds, val_ds), _ = load_data(config, tokenizer)
     lengths = np.asarray(train_ds["length"], dtype=np.int64)
@@ -354,8 +354,8 @@ def plan_finetune_data(config, tokenizer, gpus: int) -> DataPlan:
 def plan_pretrain_data(config, tokenizer, gpus: int) -> DataPlan:
     """causal_lm rows: load_pretrain_data and RowSampler as train.py calls them. A stream is read through once to
     count its rows (train.py does not: it runs max_steps)."""
-    from .pretrain_data import PretrainStats, RowSampler, load_pretrain_data
-    from .train import total_optimizer_steps
+    from gpt4all_training.data.text import PretrainStats, RowSampler, load_pretrain_data
+    from gpt4all_training.training.loop import total_optimizer_steps
 
     (store, val_ds), (stats, _) = load_pretrain_data(config, tokenizer, log=lambda line: None)
     sampler = RowSampler(store, config.batch_size, gpus, 0, config.gradient_accumulation_steps, config.seed,
@@ -376,8 +376,8 @@ def plan_pretrain_data(config, tokenizer, gpus: int) -> DataPlan:
 
 
 def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
-    from .modeling import tokenizer_for
-    from .schedule import learning_rate
+    from gpt4all_training.model.loading import tokenizer_for
+    from gpt4all_training.training.schedule import learning_rate
 
     if gpus < 1:
         raise UserError(f"--gpus: must be at least 1, got {gpus}")
@@ -387,7 +387,7 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
     total_steps = data.total_steps
 
     if config.init == "from_config":
-        from .modeling import resolve_model_config
+        from gpt4all_training.model.loading import resolve_model_config
 
         shape = model_shape(config, resolve_model_config(config, tokenizer))
     else:
@@ -444,7 +444,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .config import load_config
+    from gpt4all_training.config.loader import load_config
 
     config = load_config(args.config, args.overrides)
     print(make_plan(config, args.gpus, args.tokens_per_second).describe())

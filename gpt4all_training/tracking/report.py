@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .tracking import read_metrics
+from gpt4all_training.tracking.tracker import read_metrics
 
 
 def _polyline(points: list[tuple[float, float]], box: tuple[float, float, float, float], width: int,

@@ -22,9 +22,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .config import DTYPES, doc, load_config
-from .data import encode_prompts, resolve_template
-from .errors import UserError
+from gpt4all_training.config.loader import DTYPES, doc, load_config
+from gpt4all_training.data.sft import encode_prompts, resolve_template
+from gpt4all_training.errors import UserError
 
 
 @dataclass
@@ -257,7 +257,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .modeling import load_model, tokenizer_for
+    from gpt4all_training.model.loading import load_model, tokenizer_for
 
     config = load_config(args.config, args.overrides, cls=GenerateConfig, check=None)
     if args.prompt is not None:

@@ -35,10 +35,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import DTYPES, doc, load_config
-from .data import IGNORE, collate, effective_num_proc, finish_split, load_records, resolve_template, split_records, \
+from gpt4all_training.config.loader import DTYPES, doc, load_config
+from gpt4all_training.data.sft import IGNORE, collate, effective_num_proc, finish_split, load_records, resolve_template, split_records, \
     tokenize_dataset
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 SPLITS = ("train", "val")
 POOLINGS = ("last", "mean")
@@ -334,7 +334,7 @@ def progress_bar(total: int, runtime: Runtime):
 
 def run_inference(config: InferenceConfig) -> Optional[Path]:
     """Score every example on this process's share; the main process returns the merged Parquet's path."""
-    from .modeling import load_model, tokenizer_for
+    from gpt4all_training.model.loading import load_model, tokenizer_for
 
     runtime = init_runtime()
     try:

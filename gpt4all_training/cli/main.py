@@ -11,20 +11,20 @@ import importlib
 import os
 import sys
 
-from .errors import TrainingError, UserError
+from gpt4all_training.errors import TrainingError, UserError
 
 # subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "clean": ("gpt4all_training.clean", "normalise raw JSONL into prompt/response/source records"),
-    "data": ("gpt4all_training.data", "tokenise a dataset and show examples and statistics"),
-    "train": ("gpt4all_training.train", "fine-tune a model (run under python, accelerate launch or torchrun)"),
-    "inference": ("gpt4all_training.inference", "per-example loss and embeddings over the training data"),
-    "build_map": ("gpt4all_training.build_map", "an interactive HTML map of inference embeddings"),
-    "generate": ("gpt4all_training.generate", "generate text from a trained model"),
-    "export": ("gpt4all_training.export", "export a checkpoint as a slim HF folder or a GGUF file"),
-    "tokenizer": ("gpt4all_training.tokenizer", "train a byte-level BPE tokenizer"),
-    "plan": ("gpt4all_training.plan", "print the step, memory and time arithmetic of a config"),
-    "check": ("gpt4all_training.check", "pre-flight checks before a long run"),
+    "clean": ("gpt4all_training.data.clean", "normalise raw JSONL into prompt/response/source records"),
+    "data": ("gpt4all_training.data.sft", "tokenise a dataset and show examples and statistics"),
+    "train": ("gpt4all_training.training.loop", "fine-tune a model (run under python, accelerate launch or torchrun)"),
+    "inference": ("gpt4all_training.analysis.inference", "per-example loss and embeddings over the training data"),
+    "build_map": ("gpt4all_training.analysis.build_map", "an interactive HTML map of inference embeddings"),
+    "generate": ("gpt4all_training.generation.generate", "generate text from a trained model"),
+    "export": ("gpt4all_training.export.hf", "export a checkpoint as a slim HF folder or a GGUF file"),
+    "tokenizer": ("gpt4all_training.data.bpe", "train a byte-level BPE tokenizer"),
+    "plan": ("gpt4all_training.preflight.plan", "print the step, memory and time arithmetic of a config"),
+    "check": ("gpt4all_training.preflight.check", "pre-flight checks before a long run"),
 }
 
 

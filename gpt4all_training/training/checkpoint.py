@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from .distributed import (deepspeed_engine, is_xla, load_engine_state, save_engine_state, saveable_state_dict,
+from gpt4all_training.backends.accelerate import (deepspeed_engine, is_xla, load_engine_state, save_engine_state, saveable_state_dict,
                           to_cpu)
-from .errors import TrainingError, UserError
+from gpt4all_training.errors import TrainingError, UserError
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d+)$")

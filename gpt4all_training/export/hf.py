@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_DTYPE = {"hf": "bf16", "gguf": "q8_0"}
@@ -142,7 +142,7 @@ def consolidate_zero_checkpoint(checkpoint_dir: Path, tag: str) -> dict[str, tor
     """fp32 weights gathered from every rank's ZeRO-2/3 partition, once the files are checked to hold no code."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from .checkpoint import check_deepspeed_files
+    from gpt4all_training.training.checkpoint import check_deepspeed_files
 
     check_deepspeed_files(checkpoint_dir / tag)
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
@@ -172,7 +172,7 @@ def run_base(run_config: dict[str, Any]) -> str | None:
 
 def default_base(model_dir: Path, run_config: dict[str, Any]) -> str | None:
     """The base the run fine-tuned: as the adapter recorded it, else the run config's model_name."""
-    from .modeling import adapter_base, is_adapter_folder
+    from gpt4all_training.model.loading import adapter_base, is_adapter_folder
 
     if is_adapter_folder(str(model_dir)):
         if not (name := adapter_base(str(model_dir))):
@@ -186,7 +186,7 @@ def merge_adapter(base_name: str, adapter_dir: Path):
     """Load the base in fp32, apply the adapter in fp32, and fold it into the weights."""
     from peft import PeftModel
 
-    from .modeling import load_model
+    from gpt4all_training.model.loading import load_model
 
     base_model = load_model(base_name, dtype=torch.float32)
     return PeftModel.from_pretrained(base_model, str(adapter_dir)).merge_and_unload()
@@ -198,7 +198,7 @@ def model_from_state_dict(state_dict: dict[str, torch.Tensor], model_dir: Path, 
     PEFT state dict (keys `base_model.model.*`) gets its adapter rebuilt from adapter_config.json, then merged."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .modeling import load_model
+    from gpt4all_training.model.loading import load_model
 
     is_peft = any(key.startswith("base_model.model.") for key in state_dict)
     if (model_dir / "config.json").is_file() and not is_peft:
@@ -237,7 +237,7 @@ def base_license(base_name: str | None) -> dict[str, str]:
         return {}
     path = Path(base_name)
     if path.suffix == ".gguf" and path.is_file():
-        from .gguf_export import read_gguf_strings
+        from gpt4all_training.export.gguf import read_gguf_strings
 
         keys = {"general.license": "license", "general.license.name": "license_name",
                 "general.license.link": "license_link"}
@@ -253,7 +253,7 @@ def base_license(base_name: str | None) -> dict[str, str]:
 
 def load_source(source: str, base: str | None = None) -> ExportSource:
     """Everything the writers need: an fp32 model with LoRA merged, its tokenizer and what the run recorded."""
-    from .modeling import is_adapter_folder, load_model, load_tokenizer
+    from gpt4all_training.model.loading import is_adapter_folder, load_model, load_tokenizer
 
     path = Path(source)
     if not path.exists():
@@ -291,7 +291,7 @@ def local_config(source: Path, base: str | None):
     """The model config when it is on disk next to the input (the model's own, or its adapter's base)."""
     from transformers import AutoConfig
 
-    from .modeling import adapter_base, is_adapter_folder
+    from gpt4all_training.model.loading import adapter_base, is_adapter_folder
 
     model_dir = source / "model" if (source / "model").is_dir() else source
     candidates = [base, str(model_dir)]
@@ -342,7 +342,7 @@ def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str
 
 
 def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> None:
-    from .gguf_export import TENSOR_TYPES, read_gguf_strings, write_gguf
+    from gpt4all_training.export.gguf import TENSOR_TYPES, read_gguf_strings, write_gguf
 
     base_pre = None
     if source.base_gguf:
@@ -379,7 +379,7 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
     out = Path(to)
     check_output_folder(out)  # before the slow load
     if fmt == "gguf":
-        from .gguf_export import check_architecture
+        from gpt4all_training.export.gguf import check_architecture
 
         if (config := local_config(Path(source), base)) is not None:
             check_architecture(config)  # refuse before loading weights

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 AI_DISCLAIMER = re.compile(r"\bas an ai\b|\bai language model\b|\bi am an ai\b|\bi'm an ai\b", re.IGNORECASE)
 REFUSAL = re.compile(

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 # Steps whose examples are sorted by length together: larger groups give more even batches, smaller keep more shuffle.
 GROUP_STEPS = 16

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .clean import encodable
-from .errors import UserError
+from gpt4all_training.data.clean import encodable
+from gpt4all_training.errors import UserError
 
 IGNORE = -100
 
@@ -186,7 +186,7 @@ def local_data_files(path: Path) -> list[str] | None:
 def first_bad_line(files: list[str]) -> str | None:
     """What is wrong with the first line of `files` that is not a JSON object of valid text, naming the file and the
     line, or None. Run only after datasets failed to read them: its own error names neither."""
-    from .pretrain_data import iter_records
+    from gpt4all_training.data.text import iter_records
 
     for file in files:
         try:
@@ -370,8 +370,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .modeling import tokenizer_for
+    from gpt4all_training.config.loader import load_config
+    from gpt4all_training.model.loading import tokenizer_for
 
     config = load_config(args.config, args.overrides)
     tokenizer = tokenizer_for(config)

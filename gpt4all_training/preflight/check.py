@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .errors import TrainingError, UserError
+from gpt4all_training.errors import TrainingError, UserError
 
 GIB = 2**30
 TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard"}
@@ -63,7 +63,7 @@ def first_line(exc: BaseException) -> str:
 
 def check_config(path: Optional[str], overrides: list[str]) -> tuple[Any, list[Outcome]]:
     """The config, typed; validation failures are reported but the other checks still run on it."""
-    from .config import load_config, validate
+    from gpt4all_training.config.loader import load_config, validate
 
     try:
         config = load_config(path, overrides, check=None)
@@ -84,8 +84,8 @@ def is_pretraining(config) -> bool:
 
 def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, record) of prompt/response data: local *_clean.jsonl line by line, or a Hub dataset's rows."""
-    from .data import load_records, local_data_files
-    from .pretrain_data import iter_records
+    from gpt4all_training.data.sft import load_records, local_data_files
+    from gpt4all_training.data.text import iter_records
 
     path = Path(dataset_path).expanduser()
     files = local_data_files(path)
@@ -113,7 +113,7 @@ def record_problem(record: dict[str, Any], fields: tuple[str, ...]) -> Optional[
 def check_dataset(config) -> tuple[Outcome, list[dict[str, Any]]]:
     """Every record has the fields training reads; returns the records for the dry run: the first
     DRY_RUN_EXAMPLES examples, or for causal_lm the first records with text enough for two rows or more."""
-    from .pretrain_data import iter_records, record_text
+    from gpt4all_training.data.text import iter_records, record_text
 
     if not config.dataset_path:
         return failed("dataset", "dataset_path is not set"), []
@@ -152,7 +152,7 @@ def check_dataset(config) -> tuple[Outcome, list[dict[str, Any]]]:
 # ---------------------------------------------------------------- model and tokenizer
 
 def check_model_name(config) -> Outcome:
-    from .modeling import adapter_base, is_adapter_folder, model_source
+    from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source
 
     name = config.model_name
     if is_adapter_folder(name):
@@ -241,7 +241,7 @@ def memory_problem(config, estimate, available: float, where: str) -> Optional[s
 
 
 def check_memory(config, shape) -> Outcome:
-    from .plan import memory_per_gpu, size
+    from gpt4all_training.preflight.plan import memory_per_gpu, size
 
     estimates = memory_per_gpu(shape, config.batch_size, config.max_length, config.dtype, 1,
                                config.gradient_checkpointing)
@@ -257,7 +257,7 @@ def check_memory(config, shape) -> Outcome:
 
 def writable_folder(path: Path) -> Optional[str]:
     """None if a file can be created where `path` is (or would be created), else why not."""
-    from .plan import existing_parent
+    from gpt4all_training.preflight.plan import existing_parent
 
     existing = existing_parent(path)
     try:
@@ -269,7 +269,7 @@ def writable_folder(path: Path) -> Optional[str]:
 
 
 def room_problem(free: float, needed: float) -> Optional[str]:
-    from .plan import size
+    from gpt4all_training.preflight.plan import size
 
     if free < needed:
         return (f"{size(free)} free but one checkpoint needs about {size(needed)} (fp32 weights and "
@@ -278,7 +278,7 @@ def room_problem(free: float, needed: float) -> Optional[str]:
 
 
 def check_output_dir(config, shape) -> Outcome:
-    from .plan import checkpoint_bytes, existing_parent, size
+    from gpt4all_training.preflight.plan import checkpoint_bytes, existing_parent, size
 
     path = Path(config.output_dir)
     problem = writable_folder(path)
@@ -315,7 +315,7 @@ def check_trackers(config) -> list[Outcome]:
 
 def dry_run_config(config, data_dir: Path, output_dir: Path):
     """The config on DRY_RUN_EXAMPLES examples for DRY_RUN_STEPS steps: no evaluation, saves, trackers or Hub."""
-    from .config import validate
+    from gpt4all_training.config.loader import validate
 
     data_file = data_dir / ("check.jsonl" if is_pretraining(config) else "check_clean.jsonl")
     changes = dict(dataset_path=str(data_file), revision=None, output_dir=str(output_dir), max_steps=DRY_RUN_STEPS,
@@ -326,8 +326,8 @@ def dry_run_config(config, data_dir: Path, output_dir: Path):
 
 
 def dry_run(config, sample: list[dict[str, Any]]) -> Outcome:
-    from .tracking import read_metrics
-    from .train import train
+    from gpt4all_training.tracking.tracker import read_metrics
+    from gpt4all_training.training.loop import train
 
     if len(sample) < (1 if is_pretraining(config) else DRY_RUN_EXAMPLES):
         return failed("dry run", f"needs {DRY_RUN_EXAMPLES} records with text; the dataset has {len(sample)}")
@@ -387,8 +387,8 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
 def model_checks(config, record):
     """Tokenizer and memory checks (and for init from_config, the config the model is built from); returns the
     model's shape (for the checkpoint size) or None."""
-    from .modeling import resolve_model_config, tokenizer_for
-    from .plan import model_config_of, model_shape
+    from gpt4all_training.model.loading import resolve_model_config, tokenizer_for
+    from gpt4all_training.preflight.plan import model_config_of, model_shape
 
     from_scratch = config.init == "from_config"
     try:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import IGNORE
+from gpt4all_training.data.sft import IGNORE
 
 # Logits elements per chunk: 8M floats (32 MiB in fp32), e.g. 170 rows of a 49k vocabulary.
 CHUNK_ELEMENTS = 1 << 23

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 REPORTERS = ("wandb", "tensorboard", "jsonl")
 DTYPES = ("float32", "bfloat16", "float16")

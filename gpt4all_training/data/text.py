@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 import numpy as np
 import torch
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 T = TypeVar("T")
 
@@ -205,7 +205,7 @@ def joined_tokens(token_lists: Iterable[list[int]], eos_id: int) -> np.ndarray:
 
 def training_batch(rows: list[list[int]] | np.ndarray) -> dict[str, torch.Tensor]:
     """Constant-length rows as a micro-batch: every token trained (label 0 is IGNORE, as data.py's convention)."""
-    from .data import IGNORE
+    from gpt4all_training.data.sft import IGNORE
 
     input_ids = torch.as_tensor(np.asarray(rows, dtype=np.int64))
     labels = input_ids.clone()
@@ -537,7 +537,7 @@ def tokenized_records(config, tokenizer, val_every: int):
     """`streaming: false`: every record tokenised by datasets.map (cached, parallel), in stored order."""
     import datasets
 
-    from .data import effective_num_proc, unreadable_jsonl
+    from gpt4all_training.data.sft import effective_num_proc, unreadable_jsonl
 
     files = local_text_files(config.dataset_path)
     try:
@@ -569,7 +569,7 @@ def validation_rows(token_lists: Iterable[list[int]], max_length: int, eos_id: i
 def validation_dataset(rows: list[list[int]]):
     import datasets
 
-    from .data import IGNORE
+    from gpt4all_training.data.sft import IGNORE
 
     labels = [[IGNORE, *row[1:]] for row in rows]
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
@@ -583,7 +583,7 @@ MAX_VALIDATION_ROWS = 1024
 
 def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print):
     """Same shape as data.load_data: ((train rows, validation dataset), (train stats, validation stats))."""
-    from .distributed import launched_world_size
+    from gpt4all_training.backends.accelerate import launched_world_size
 
     val_every = validation_stride(config.val_fraction)
     # evaluate_loss reads at most eval_steps global batches of batch_size x processes rows.
@@ -636,8 +636,8 @@ class CausalLMLoss:
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         import torch.nn.functional as F
 
-        from .data import IGNORE
-        from .loss import chunked_loss_and_z, head_removed, model_inputs, output_head
+        from gpt4all_training.data.sft import IGNORE
+        from gpt4all_training.training.loss import chunked_loss_and_z, head_removed, model_inputs, output_head
 
         targets = batch["labels"][:, 1:]
         found = output_head(model)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
 AUTO = "auto"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 
 def model_source(name: str, gguf_file: str | None = None) -> tuple[str, dict[str, Any]]:

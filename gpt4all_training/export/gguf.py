@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 # --dtype -> the GGUF tensor type of every matrix. Vectors (norm weights) always stay F32, as llama.cpp's converter.
 TENSOR_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}

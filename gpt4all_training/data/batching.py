@@ -35,9 +35,9 @@ from typing import Any, Callable
 
 import torch
 
-from .data import IGNORE, fetch_batch
-from .errors import UserError
-from .loss import model_inputs, unwrap_model
+from gpt4all_training.data.sft import IGNORE, fetch_batch
+from gpt4all_training.errors import UserError
+from gpt4all_training.training.loss import model_inputs, unwrap_model
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -22,24 +22,24 @@ from typing import Any
 import torch
 import yaml
 
-from .checkpoint import GracefulStop, resume_training, save_step_checkpoint
-from .config import TrainConfig, load_config
-from .data import load_data
-from .distributed import (backward, build_accelerator, device_batch, finish, micro_batch, replica_mismatches,
+from gpt4all_training.training.checkpoint import GracefulStop, resume_training, save_step_checkpoint
+from gpt4all_training.config.loader import TrainConfig, load_config
+from gpt4all_training.data.sft import load_data
+from gpt4all_training.backends.accelerate import (backward, build_accelerator, device_batch, finish, micro_batch, replica_mismatches,
                           saveable_state_dict, step_boundary, stepping_optimizer, whole_copy, xla_metrics,
                           zero_stage)
-from .errors import TrainingError, UserError
-from .evaluate import evaluate_loss
-from .hub import push_folder
-from .loss import real_token_count, token_loss_sum, trained_token_count
-from .modeling import (apply_lora, build_model_from_config, count_parameters, load_model, param_groups,
+from gpt4all_training.errors import TrainingError, UserError
+from gpt4all_training.training.evaluate import evaluate_loss
+from gpt4all_training.tracking.hub import push_folder
+from gpt4all_training.training.loss import real_token_count, token_loss_sum, trained_token_count
+from gpt4all_training.model.loading import (apply_lora, build_model_from_config, count_parameters, load_model, param_groups,
                        resident_parameters, tokenizer_for)
-from .packing import batch_fetcher, check_isolation
-from .pretrain_data import CausalLMLoss, RowSampler, fetch_rows, load_pretrain_data
-from .report import write_report
-from .sampler import StepSampler
-from .schedule import learning_rate
-from .tracking import Tracker
+from gpt4all_training.data.batching import batch_fetcher, check_isolation
+from gpt4all_training.data.text import CausalLMLoss, RowSampler, fetch_rows, load_pretrain_data
+from gpt4all_training.tracking.report import write_report
+from gpt4all_training.data.sampling import StepSampler
+from gpt4all_training.training.schedule import learning_rate
+from gpt4all_training.tracking.tracker import Tracker
 
 def total_optimizer_steps(steps_per_epoch: int, num_epochs: int, max_steps: int | None) -> int:
     """Optimiser steps of the whole run, across epochs: the one number the schedule, plan and loop share."""

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from .data import fetch_batch
-from .distributed import device_batch, step_boundary
-from .loss import token_loss_sum
+from gpt4all_training.data.sft import fetch_batch
+from gpt4all_training.backends.accelerate import device_batch, step_boundary
+from gpt4all_training.training.loss import token_loss_sum
 
 
 def eval_batches(n_examples: int, batch_size: int, world_size: int, rank: int,

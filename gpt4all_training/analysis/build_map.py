@@ -39,7 +39,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import UserError
+from gpt4all_training.errors import UserError
 
 RESULT_FILE = "inference.parquet"
 SPLITS = ("train", "val")
