@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-xla demo clean-cache
+.PHONY: install test test-fast test-xla demo clean-cache
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@mkdir -p $(TMPDIR)
@@ -32,6 +32,12 @@ test: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	bash scripts/ensure_chromium.sh
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp=$(TMPDIR)/pytest $(PYTEST_ARGS)
+
+# The unit tests alone: what no marker in pyproject.toml names (no end-to-end run, no 2-process launch, nothing slow).
+test-fast: $(STAMP)
+	@mkdir -p $(TMPDIR)
+	$(PY) -m pytest -q -p no:cacheprovider --basetemp=$(TMPDIR)/pytest-fast \
+		-m "not integration and not distributed and not slow" $(PYTEST_ARGS)
 
 # The XLA tests need torch 2.9.0 + torch_xla 2.9.0 in a venv of their own (.venv-xla): accelerate switches itself to
 # XLA whenever torch_xla is importable, so it must never enter .venv.

@@ -30,7 +30,7 @@ def rss_mb(field: str) -> float:
 def plain_token_loss_sum(model, batch):
     import torch.nn.functional as F
 
-    from gpt4all_training.training.loss import model_inputs
+    from gpt4all_training.batch import model_inputs
 
     logits = model(**model_inputs(batch)).logits[:, :-1].float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),

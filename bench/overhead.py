@@ -46,8 +46,11 @@ def run_bare(kind: str, steps: int, out: Path, extra: list[str]) -> dict:
 
     from gpt4all_training.config.loader import load_config
     from gpt4all_training.data.sft import load_data
-    from gpt4all_training.training.loss import token_loss_sum, trained_token_count
-    from gpt4all_training.model.loading import apply_lora, load_model, load_tokenizer, param_groups
+    from gpt4all_training.batch import trained_token_count
+    from gpt4all_training.training.loss import token_loss_sum
+    from gpt4all_training.model.loading import load_model, load_tokenizer
+    from gpt4all_training.model.lora import apply_lora
+    from gpt4all_training.model.parameters import param_groups
     from gpt4all_training.data.batching import batch_fetcher
     from gpt4all_training.data.sampling import StepSampler
 

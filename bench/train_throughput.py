@@ -73,7 +73,8 @@ def gpt4all_load_data(config, tokenizer):
     import numpy as np
     from datasets import Dataset
 
-    from gpt4all_training.data.sft import DataStats, load_records, split_records
+    from gpt4all_training.data.records import load_records
+    from gpt4all_training.data.sft import DataStats, split_records
 
     train_raw, _ = split_records(load_records(config.dataset_path), config.val_fraction, config.seed)
     rows = [gpt4all_tokenize(p, r, tokenizer, config.max_length)
@@ -123,7 +124,7 @@ def run_ours(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + OURS_EXTRA[variant]))
     peak = harness.peak_rss_mb()
-    return summarise(steps_log, started[0], peak, out / "final", harness.MODELS[kind]["warmup"])
+    return summarize(steps_log, started[0], peak, out / "final", harness.MODELS[kind]["warmup"])
 
 
 def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = harness.SEED) -> dict[str, Any]:
@@ -132,7 +133,9 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = ha
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from gpt4all_training.data.sft import format_prompt, load_records, split_records
+    from gpt4all_training.data.prompts import format_prompt
+    from gpt4all_training.data.records import load_records
+    from gpt4all_training.data.sft import split_records
     from gpt4all_training.model.loading import load_model, load_tokenizer
 
     m = harness.MODELS[kind]
@@ -186,10 +189,10 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = ha
     per_step = [tuple(sum(c[k] for c in counts[i:i + m["accumulation"]]) for k in range(3))
                 for i in range(0, len(counts), m["accumulation"])]  # micro-batches in order, `accumulation` a step
     steps_log = [(t, *c) for t, c in zip(ends, per_step)]
-    return summarise(steps_log, started[0], peak, out / "final", m["warmup"])
+    return summarize(steps_log, started[0], peak, out / "final", m["warmup"])
 
 
-def summarise(steps_log, started: float, peak_rss: float, final_dir: Path, warmup: int) -> dict[str, Any]:
+def summarize(steps_log, started: float, peak_rss: float, final_dir: Path, warmup: int) -> dict[str, Any]:
     times = [s[0] for s in steps_log]
     trained = [s[1] for s in steps_log]
     rate, seconds, measured = harness.steady_rate(times, trained, warmup)
@@ -205,7 +208,8 @@ def final_eval_loss(final_dir: Path) -> float:
     """The saved model's token-weighted loss on our tokenisation of the validation split, fp32, for every row."""
     from accelerate import Accelerator
 
-    from gpt4all_training.data.sft import finish_split, load_records, split_records, tokenize_dataset
+    from gpt4all_training.data.records import load_records
+    from gpt4all_training.data.sft import finish_split, split_records, tokenize_dataset
     from gpt4all_training.training.evaluate import evaluate_loss
     from gpt4all_training.model.loading import load_model, load_tokenizer
 

@@ -61,11 +61,12 @@ def main() -> None:
 
     import torch
 
-    from gpt4all_training.analysis.build_map import build_map
+    from gpt4all_training.analysis.map.build import build_map
     from gpt4all_training.data.clean import clean, print_report
     from gpt4all_training.config.loader import load_config
     from gpt4all_training.export.hf import export
-    from gpt4all_training.analysis.inference import InferenceConfig, run_inference
+    from gpt4all_training.analysis.inference import run_inference
+    from gpt4all_training.config.schemas import InferenceConfig
     from gpt4all_training.model.loading import load_model, load_tokenizer
     from gpt4all_training.training.loop import train
 

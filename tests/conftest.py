@@ -1,17 +1,15 @@
 """Shared fixtures: a tiny GPT-J and a byte-level BPE tokenizer, built once per session and loaded by path,
-exactly as a user's local model folder would be. Everything stays offline and inside the repo's .cache/."""
+exactly as a user's local model folder would be. Everything stays offline and inside the repo's .cache/.
+Helpers that are not fixtures live in tests/support/."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from support.paths import CACHE, DOLLY
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE = REPO / ".cache"
 # Offline, and every cache inside the repo: set before transformers/datasets are imported anywhere.
 for key, value in {
     "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
@@ -21,19 +19,8 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
-SHARED_DATA = Path(os.environ.get("GPT4ALL_SHARED_DATA", REPO.parent / "shared" / "data"))
-DOLLY = SHARED_DATA / "dolly-sample.jsonl"
-OASST = SHARED_DATA / "oasst-sample.jsonl"
-PYTHON = sys.executable
-
-
-def dolly_texts(limit: int | None = None) -> list[str]:
-    texts = []
-    with open(DOLLY, encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            texts.extend([row["instruction"], row["context"], row["response"]])
-    return texts[:limit] if limit else texts
+from support.files import dolly_texts  # noqa: E402
+from support.models import CHAT_TEMPLATE, build_tiny_gptj  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,10 +45,6 @@ def tokenizer(tokenizer_dir):
     return load_tokenizer(str(tokenizer_dir))
 
 
-CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 @pytest.fixture(scope="session")
 def chat_tokenizer(tokenizer_dir, tmp_path_factory):
     """The session BPE tokenizer plus two special tokens appended after the BPE vocabulary, and a chat template."""
@@ -73,17 +56,6 @@ def chat_tokenizer(tokenizer_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("chat-tokenizer")
     tokenizer.save_pretrained(path)
     return load_tokenizer(str(path))
-
-
-def build_tiny_gptj(tokenizer, seed: int = 0):
-    import torch
-    from transformers import GPTJConfig, GPTJForCausalLM
-
-    torch.manual_seed(seed)
-    config = GPTJConfig(vocab_size=len(tokenizer), n_positions=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=16,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        tie_word_embeddings=False)
-    return GPTJForCausalLM(config)
 
 
 @pytest.fixture(scope="session")
@@ -103,11 +75,3 @@ def clean_dolly(assets) -> Path:
     out = assets / "dolly-clean"
     clean([str(DOLLY)], out)
     return out
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return path

@@ -18,11 +18,16 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image  # installed with tensorboard (requirements.txt); an independent PNG decoder
 
-from conftest import REPO, build_tiny_gptj
-from gpt4all_training.analysis.build_map import (BACKGROUND, build_map, cluster_labels, encode_png, kmeans, load_run,
-                                        loss_change, nearest_neighbors, neighbor_layout, pca, truncate)
+from support.models import build_tiny_gptj
+from support.paths import REPO
+from gpt4all_training.analysis.map.build import build_map
+from gpt4all_training.analysis.map.clusters import cluster_labels, kmeans
+from gpt4all_training.analysis.map.layout import nearest_neighbors, neighbor_layout, pca
+from gpt4all_training.analysis.map.render import BACKGROUND, encode_png, truncate
+from gpt4all_training.analysis.map.runs import load_run, loss_change
 from gpt4all_training.errors import UserError
-from gpt4all_training.analysis.inference import InferenceConfig, embedding_array, run_inference
+from gpt4all_training.analysis.inference import embedding_array, run_inference
+from gpt4all_training.config.schemas import InferenceConfig
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run", "--disable-sync", "--hide-scrollbars",
@@ -148,6 +153,7 @@ def single_map(runs, tmp_path_factory):
     return build_map(runs[0], output, n_clusters=8)
 
 
+@pytest.mark.integration
 def test_map_renders_every_point_and_the_cluster_table(chromium, single_map, tmp_path):
     dom = rendered(chromium, single_map.html, tmp_path)
     assert dom.body_attrs.get("data-ready") == "1"
@@ -165,12 +171,14 @@ def test_map_renders_every_point_and_the_cluster_table(chromium, single_map, tmp
     assert dom.options == ["loss", "cluster", "source", "split"]
 
 
+@pytest.mark.integration
 def test_page_loads_nothing_from_the_network(single_map):
     html = single_map.html.read_text(encoding="utf-8")
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html)
     assert "<link" not in html and "@import" not in html and "url(" not in html
 
 
+@pytest.mark.integration
 def test_screenshot_is_not_blank(chromium, single_map, tmp_path):
     shot = tmp_path / "map-screenshot.png"
     browse(chromium, single_map.html, tmp_path, f"--screenshot={shot}")
@@ -182,6 +190,7 @@ def test_screenshot_is_not_blank(chromium, single_map, tmp_path):
     assert len(np.unique(plot.reshape(-1, 3), axis=0)) >= 20  # a loss ramp, not one flat colour
 
 
+@pytest.mark.integration
 def test_search_highlights_exactly_the_matching_points(chromium, single_map, runs, tmp_path):
     run = load_run(runs[0])
     texts = [(p + "\n" + r).lower() for p, r in zip(truncate(run.prompt, 240), truncate(run.response, 240))]
@@ -192,6 +201,7 @@ def test_search_highlights_exactly_the_matching_points(chromium, single_map, run
     assert dom.text["rendered-count"] == "619"  # dimmed points are still drawn
 
 
+@pytest.mark.integration
 def test_hover_card_shows_the_example(chromium, single_map, runs, tmp_path):
     data = page_data(single_map.html)
     xy = np.stack([data["x"], data["y"]], axis=1)
@@ -205,13 +215,15 @@ def test_hover_card_shows_the_example(chromium, single_map, runs, tmp_path):
     assert f"\nprompt: {data['prompt'][loneliest]}\nresponse: {data['response'][loneliest]}" in card
 
 
+@pytest.mark.integration
 def test_static_png_has_the_points_and_decodes(single_map):
     image = np.asarray(Image.open(single_map.png).convert("RGB"))
     assert image.shape == (800, 1000, 3)
     assert np.any(image != np.array(BACKGROUND, dtype=np.uint8), axis=-1).sum() >= 619  # at least a pixel each
 
 
-def test_compare_colours_by_loss_change(chromium, runs, tmp_path):
+@pytest.mark.integration
+def test_compare_colors_by_loss_change(chromium, runs, tmp_path):
     after, before = runs
     result = build_map(after, tmp_path / "compare.html", compare=before, n_clusters=6)
     data = page_data(result.html)
@@ -231,6 +243,7 @@ def test_compare_colours_by_loss_change(chromium, runs, tmp_path):
 
 # ---------------------------------------------------------------- tens of thousands of points
 
+@pytest.mark.integration
 def test_twenty_thousand_points_render(chromium, tmp_path):
     rng = np.random.default_rng(0)
     n = 20_000

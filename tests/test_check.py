@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DOLLY, write_jsonl
+from support.files import dolly_texts, write_jsonl
+from support.paths import DOLLY
 from gpt4all_training.preflight import check
-from gpt4all_training.preflight.check import GIB, memory_problem, room_problem, run, run_checks
+from gpt4all_training.cli.check import run
+from gpt4all_training.preflight.check import GIB, memory_problem, room_problem, run_checks
 from gpt4all_training.preflight.plan import Memory
 
 
@@ -38,6 +40,7 @@ def outcomes_of(tmp_path, values: dict, overrides: list[str] | None = None) -> d
     return lines
 
 
+@pytest.mark.integration
 def test_a_good_config_passes_with_a_dry_run(base_values, tmp_path, capsys):
     config = write_config(tmp_path, **base_values)
     assert run(argparse.Namespace(config=str(config), overrides=[])) == 0
@@ -84,7 +87,6 @@ def test_dataset_failures_name_the_first_bad_line(base_values, tmp_path):
 
 def test_tokenizer_of_another_vocabulary_is_refused(base_values, tmp_path):
     """A GPT-2-style tokenizer of 1,200 tokens with a model of 1,000: ids past 999 would index outside it."""
-    from conftest import dolly_texts
     from gpt4all_training.data.bpe import train_bpe_tokenizer
 
     other = tmp_path / "other-tokenizer"
@@ -112,7 +114,7 @@ def test_tokenizer_with_another_eos_and_a_too_long_max_length(base_values, tiny_
 def test_adapter_folder_is_recognised_and_a_lost_base_is_not(base_values, tiny_model_dir, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from gpt4all_training.model.loading import apply_lora
+    from gpt4all_training.model.lora import apply_lora
 
     adapter = tmp_path / "adapter"
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -173,6 +175,7 @@ def test_memory_that_cannot_fit_says_what_to_lower():
     assert memory_problem(config, Memory(10 * GIB, 10 * GIB, 20 * GIB, 30 * GIB), 80 * GIB, "GPU") is None
 
 
+@pytest.mark.integration
 def test_failing_dry_run_is_one_line_and_exit_code_1(base_values, tmp_path, capsys):
     """An absurd learning rate: step 1 is finite, its update overflows the weights, step 2's loss is not."""
     config = write_config(tmp_path, **{**base_values, "lr": 1e30, "min_lr": 1e30, "max_grad_norm": None})

@@ -23,7 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import DOLLY, OASST, PYTHON, REPO, write_jsonl
+from support.files import write_jsonl
+from support.paths import DOLLY, OASST, PYTHON, REPO
 
 from gpt4all_training.data.clean import Filters, clean
 from gpt4all_training.errors import UserError
@@ -179,6 +180,7 @@ def test_missing_input_is_a_user_error(tmp_path):
         clean([str(tmp_path / "nothing.jsonl")], tmp_path / "out")
 
 
+@pytest.mark.integration
 def test_interrupted_run_leaves_the_previous_output_whole(tmp_path):
     """The input is a pipe, so the run can be stopped while it is provably midway through writing its output."""
     fifo, out = tmp_path / "data.jsonl", tmp_path / "out"
@@ -211,6 +213,7 @@ def test_interrupted_run_leaves_the_previous_output_whole(tmp_path):
     assert (out / "data_clean.jsonl").read_text() == "previous complete output\n"
 
 
+@pytest.mark.integration
 def test_script_prints_the_counts(tmp_path):
     result = subprocess.run([PYTHON, "clean.py", str(DOLLY), str(MALFORMED), "--output-dir", str(tmp_path),
                              "--drop-refusals"], cwd=REPO, capture_output=True, text=True, timeout=60)

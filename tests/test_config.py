@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PYTHON, REPO
+from support.paths import PYTHON, REPO
 
 from gpt4all_training import cli
-from gpt4all_training.config.loader import TrainConfig, load_config, save_config
+from gpt4all_training.config.loader import load_config, save_config
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 
 TRAIN_CONFIGS = REPO / "configs" / "train"
@@ -199,6 +200,7 @@ def test_unknown_override_says_it_came_from_the_command_line(tmp_path):
     ("train.py", "lr: [1e-4\n", [], "error: config {path}: not valid YAML (line 2); check the syntax"),
     ("data.py", REQUIRED, ["lr=0"], "error: lr: must be > 0, got 0.0"),
 ], ids=["train.py invalid YAML", "data.py bad override"])
+@pytest.mark.integration
 def test_script_prints_one_line_without_traceback(tmp_path, script, text, overrides, message):
     path = write(tmp_path, text)
     result = subprocess.run([PYTHON, script, "--config", str(path), *overrides], cwd=REPO,

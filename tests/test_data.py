@@ -14,11 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
-from conftest import CHAT_TEMPLATE, PYTHON, REPO, dolly_texts, write_jsonl
+from support.files import dolly_texts, write_jsonl
+from support.models import CHAT_TEMPLATE
+from support.paths import PYTHON, REPO
 
-from gpt4all_training.config.loader import TrainConfig, load_config
-from gpt4all_training.data.sft import (IGNORE, build_example, collate, encode_prompts, finish_split, format_prompt,
-                                   load_data, load_records, show_example, tokenize_batch, tokenize_dataset)
+from gpt4all_training.config.loader import load_config
+from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.batch import IGNORE
+from gpt4all_training.data.batching import collate
+from gpt4all_training.data.prompts import encode_prompts, format_prompt
+from gpt4all_training.data.records import load_records
+from gpt4all_training.data.sft import build_example, finish_split, load_data, show_example, tokenize_batch, tokenize_dataset
 from gpt4all_training.errors import UserError
 
 M = IGNORE  # short, so that label arrays line up with their ids
@@ -224,7 +230,7 @@ def test_empty_and_missing_responses_are_dropped_and_counted(tokenizer):
     assert stats.trained_fraction == pytest.approx(sum(trained) / sum(lengths), abs=1e-12)
 
 
-def test_empty_split_keeps_the_tokenised_columns(tokenizer, clean_dolly):
+def test_empty_split_keeps_the_tokenized_columns(tokenizer, clean_dolly):
     config = TrainConfig(model_name="unused", dataset_path=str(clean_dolly), val_fraction=0.0, max_length=32)
     (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
     assert (len(train), len(val), train_stats.count, val_stats.count) == (619, 0, 619, 0)
@@ -290,6 +296,8 @@ def test_hub_style_path_passes_revision_to_load_dataset(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- `python data.py --show`
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_show_prints_masked_examples_and_statistics(tmp_path, tokenizer, tokenizer_dir):
     rows = [{"source": "hand", "prompt": f"What is {i} plus {i}?", "response": f"It is {2 * i}."} for i in range(8)]
     rows.append({"source": "hand", "prompt": "Write a long answer.", "response": "word " * 40})

@@ -19,7 +19,10 @@ import torch
 import numpy as np
 import yaml
 
-from conftest import CHAT_TEMPLATE, PYTHON, REPO, dolly_texts
+from support.files import dolly_texts
+from support.launch import free_port
+from support.models import CHAT_TEMPLATE
+from support.paths import PYTHON, REPO
 from gpt4all_training.errors import UserError
 from gpt4all_training.export.hf import export
 
@@ -213,6 +216,8 @@ def test_gguf_name_keeps_mistral_out():
     assert gguf_name("mistral") == "model" and gguf_name("smollm2-dolly") == "smollm2-dolly"
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_gptj_gguf_export_is_refused_with_one_line(tiny_model_dir, tmp_path):
     """No GGUF reader runs GPT-J: transformers has no GPT-J GGUF loader, llama.cpp no GPT-J graph."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
@@ -426,15 +431,6 @@ ZERO_SCRIPT = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    """An ephemeral port no one listens on, so concurrent distributed tests never share a rendezvous."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def zero_runs(tiny_llama_dir, tmp_path_factory) -> Path:
     """ZeRO-2, ZeRO-3 and a ZeRO-2 LoRA run of one step each, with the logits each engine computed after it."""
@@ -452,6 +448,8 @@ def zero_runs(tiny_llama_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_zero_checkpoints_consolidate_to_the_trained_model(zero_runs, tiny_llama_dir, tmp_path):
     """ZeRO-2, ZeRO-3 and a ZeRO-2 LoRA run: the export computes what the engine computed after its step."""
     from transformers import AutoModelForCausalLM
@@ -477,6 +475,8 @@ class WritesMarker:
         return open, (self.marker, "w")
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_a_zero_checkpoint_holding_code_is_refused_before_deepspeed_reads_it(zero_runs, tmp_path):
     """DeepSpeed's own reader unpickles with weights_only=False; the export checks every file first."""
     step_dir = shutil.copytree(zero_runs / "zero2" / "step_1", tmp_path / "step_1")

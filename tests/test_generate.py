@@ -10,8 +10,10 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, build_tiny_gptj, write_jsonl
-from gpt4all_training.data.sft import encode_prompts, format_prompt
+from support.files import write_jsonl
+from support.models import build_tiny_gptj
+from support.paths import PYTHON, REPO
+from gpt4all_training.data.prompts import encode_prompts, format_prompt
 from gpt4all_training.generation.generate import (Sampling, cut_at_stop, eos_token_ids, generate_ids, generate_texts,
                                        next_tokens, process_logits)
 
@@ -177,6 +179,8 @@ def test_logits_past_the_tokenizer_are_never_chosen(model, tokenizer):
 
 # ---------------------------------------------------------------- command line
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_cli_prompts_file_gives_jsonl_equal_to_the_function(tiny_model_dir, tokenizer, tmp_path):
     prompts_file = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
     result = subprocess.run([PYTHON, str(REPO / "generate.py"), "--config", str(REPO / "configs/generate/tiny.yaml"),
@@ -204,11 +208,12 @@ def test_cli_bad_prompts_file_is_one_line(tiny_model_dir, tmp_path, capsys):
 def test_config_rejects_out_of_range_sampling():
     from gpt4all_training.config.loader import load_config
     from gpt4all_training.errors import UserError
-    from gpt4all_training.generation.generate import GenerateConfig, validate_generate
+    from gpt4all_training.config.blocks import validate
+    from gpt4all_training.config.schemas import GenerateConfig
 
     with pytest.raises(UserError, match=r"^top_p: must be in \(0, 1\], got 1.5$"):
-        load_config(None, ["model_name=m", "top_p=1.5"], cls=GenerateConfig, check=validate_generate)
+        load_config(None, ["model_name=m", "top_p=1.5"], cls=GenerateConfig, check=validate)
     with pytest.raises(UserError, match="temperature"):
-        load_config(None, ["model_name=m", "temperature=-1"], cls=GenerateConfig, check=validate_generate)
+        load_config(None, ["model_name=m", "temperature=-1"], cls=GenerateConfig, check=validate)
     assert math.isclose(load_config(None, ["model_name=m", "temperature=0"], cls=GenerateConfig,
-                                    check=validate_generate).temperature, 0.0)
+                                    check=validate).temperature, 0.0)

@@ -13,13 +13,19 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, build_tiny_gptj, write_jsonl
+from support.files import write_jsonl
+from support.models import build_tiny_gptj
+from support.paths import PYTHON, REPO
 from gpt4all_training.config.loader import load_config
-from gpt4all_training.data.sft import IGNORE, collate, load_data
+from gpt4all_training.batch import IGNORE
+from gpt4all_training.data.batching import collate
+from gpt4all_training.data.sft import load_data
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.loading import load_model
-from gpt4all_training.analysis.inference import (InferenceConfig, example_losses, length_sorted_order, pool_hidden,
-                                        rank_share, run_inference, validate_inference)
+from gpt4all_training.analysis.inference import (example_losses, length_sorted_order, pool_hidden, rank_share,
+                                                 run_inference)
+from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.schemas import InferenceConfig
 
 # Measured: 1 vs 2 processes differ by at most 1e-6 in loss and 7e-7 in embeddings (fp32, different batches).
 TOLERANCE = 1e-5
@@ -36,7 +42,7 @@ def inference_config(model_dir, data_dir, output_dir, **overrides) -> InferenceC
     values = dict(model_name=str(model_dir), dataset_path=str(data_dir), output_dir=str(output_dir), max_length=128,
                   val_fraction=0.1, batch_size=8, num_proc=1)
     values.update(overrides)
-    return validate_inference(InferenceConfig(**values))
+    return validate(InferenceConfig(**values))
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +65,9 @@ def two_processes(tiny_model_dir, clean_dolly, tmp_path_factory):
     return output_dir / "inference.parquet", result.stdout
 
 
+@pytest.mark.integration
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_two_processes_give_the_rows_of_one(one_process, two_processes):
     (_, path_1), (path_2, stdout) = one_process, two_processes
     rows_1, emb_1 = read_run(path_1)
@@ -72,6 +81,7 @@ def test_two_processes_give_the_rows_of_one(one_process, two_processes):
     assert emb_1.dtype == np.float32 and emb_1.shape == (619, 64)
 
 
+@pytest.mark.integration
 def test_rows_are_ordered_by_split_then_index_and_unique(one_process):
     rows, _ = read_run(one_process[1])
     keys = list(zip(rows["split"], rows["index"]))
@@ -79,6 +89,7 @@ def test_rows_are_ordered_by_split_then_index_and_unique(one_process):
     assert set(rows["split"]) == {"train", "val"}
 
 
+@pytest.mark.integration
 def test_split_and_trained_tokens_are_training_s(one_process, tokenizer):
     config, path = one_process
     rows, _ = read_run(path)
@@ -90,6 +101,7 @@ def test_split_and_trained_tokens_are_training_s(one_process, tokenizer):
     assert [trained[k] for k in zip(rows["split"], rows["index"])] == rows["n_tokens"]
 
 
+@pytest.mark.integration
 def test_loss_is_the_mean_over_trained_tokens_by_hand(one_process, tiny_model_dir, tokenizer):
     config, path = one_process
     rows, embeddings = read_run(path)
@@ -148,6 +160,7 @@ def test_rank_shares_cover_every_example_once(world_size):
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
+@pytest.mark.integration
 def test_adapter_folder_and_bf16(tiny_model_dir, tokenizer, tmp_path):
     """A LoRA adapter folder loads as base plus adapter; bf16 runs and stays near fp32."""
     from peft import LoraConfig, get_peft_model
@@ -186,6 +199,6 @@ def test_adapter_folder_and_bf16(tiny_model_dir, tokenizer, tmp_path):
 def test_bad_pooling_is_a_one_line_user_error():
     with pytest.raises(UserError, match=r"^pooling: must be one of last, mean, got 'max'$"):
         load_config(None, ["model_name=m", "dataset_path=d", "pooling=max"], cls=InferenceConfig,
-                    check=validate_inference)
+                    check=validate)
     with pytest.raises(UserError, match="^dataset_path: missing"):
-        load_config(None, ["model_name=m"], cls=InferenceConfig, check=validate_inference)
+        load_config(None, ["model_name=m"], cls=InferenceConfig, check=validate)

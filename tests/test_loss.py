@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import build_tiny_gptj
-from gpt4all_training.data.sft import IGNORE, collate
-from gpt4all_training.training.loss import (chunked_loss_and_z, head_removed, model_inputs, output_head, token_loss_sum,
-                                   trained_token_count)
+from support.models import build_tiny_gptj
+from gpt4all_training.batch import IGNORE, model_inputs, trained_token_count
+from gpt4all_training.data.batching import collate
+from gpt4all_training.training.loss import chunked_loss_and_z, head_removed, output_head, token_loss_sum
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -78,7 +78,7 @@ def test_token_loss_sum_equals_full_logits_on_the_tiny_model(tokenizer, batch):
 
 
 def test_token_loss_sum_with_lora_trains_only_the_adapter(tokenizer, batch):
-    from gpt4all_training.model.loading import apply_lora
+    from gpt4all_training.model.lora import apply_lora
 
     model = apply_lora(build_tiny_gptj(tokenizer), 4, 8, 0.0, ["q_proj", "v_proj"], False)
     assert output_head(model) is not None
@@ -115,7 +115,7 @@ def test_bf16_autocast_matches_the_plain_path_in_bf16(tokenizer, batch):
 
 
 def test_heads_that_change_the_logits_keep_the_plain_path(tokenizer):
-    from gpt4all_training.model.loading import apply_lora
+    from gpt4all_training.model.lora import apply_lora
 
     model = build_tiny_gptj(tokenizer)
     model.config.final_logit_softcapping = 30.0

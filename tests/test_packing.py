@@ -10,12 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import build_tiny_gptj
-from gpt4all_training.data.sft import IGNORE, collate, load_records, tokenize_dataset
+from support.models import build_tiny_gptj
+from gpt4all_training.batch import IGNORE, model_inputs
+from gpt4all_training.data.batching import balanced_bins, collate, collate_packed, first_fit_decreasing, pack_rows
+from gpt4all_training.data.records import load_records
+from gpt4all_training.data.sft import tokenize_dataset
 from gpt4all_training.errors import UserError
-from gpt4all_training.training.loss import model_inputs, token_loss_sum
-from gpt4all_training.data.batching import (balanced_bins, check_isolation, collate_packed, first_fit_decreasing,
-                                      pack_rows)
+from gpt4all_training.model.isolation import check_isolation
+from gpt4all_training.training.loss import token_loss_sum
 from gpt4all_training.data.sampling import StepSampler
 
 
@@ -180,17 +182,18 @@ def test_isolation_check_passes_real_models_and_refuses_naive_concatenation(toke
 def one_step(tokenizer, micro_batches, max_grad_norm=1.0) -> dict[str, torch.Tensor]:
     from accelerate import Accelerator
 
-    from gpt4all_training.training.loop import train_step
+    from gpt4all_training.backends.accelerate import backend_for
+    from gpt4all_training.training.step import train_step
 
     model = build_tiny_gptj(tokenizer, seed=3)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    result = train_step(model, micro_batches, Accelerator(cpu=True), optimizer, scheduler, max_grad_norm, 0)
+    result = train_step(model, micro_batches, backend_for(Accelerator(cpu=True)), optimizer, scheduler, max_grad_norm, 0)
     return {"result": result, **{k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def test_one_optimiser_step_with_packing_equals_one_without(tokenizer, dolly_rows):
+def test_one_optimizer_step_with_packing_equals_one_without(tokenizer, dolly_rows):
     micro = [dolly_rows[:6], dolly_rows[6:]]  # two micro-batches: gradient accumulation too
     padded = one_step(tokenizer, [collate(rows, 0) for rows in micro])
     packed = one_step(tokenizer, [collate_packed(rows, 0, 256) for rows in micro])
@@ -203,6 +206,7 @@ def test_one_optimiser_step_with_packing_equals_one_without(tokenizer, dolly_row
             assert (packed[name] - weight).abs().max() <= 1e-5, name
 
 
+@pytest.mark.integration
 def test_packed_training_run_equals_unpacked_run(tiny_model_dir, clean_dolly, tmp_path):
     """packing: true and group_by_length: true train the same steps as the plain run (end to end, through train())."""
     from safetensors.torch import load_file

@@ -8,11 +8,14 @@ import math
 import numpy as np
 import pytest
 
-from conftest import write_jsonl
-from gpt4all_training.config.loader import TrainConfig, validate
+from support.files import write_jsonl
+from gpt4all_training.cli.plan import run
+from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.preflight.plan import (GIB, ModelShape, activation_bytes, checkpoint_steps, make_plan, memory_per_gpu,
-                                   most_kept, run, run_layout)
+                                   most_kept)
 from gpt4all_training.data.sampling import StepSampler
+from gpt4all_training.training.counts import run_layout
 from gpt4all_training.training.schedule import learning_rate
 from gpt4all_training.tracking.tracker import read_metrics
 
@@ -49,6 +52,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", SETTINGS)
 def test_planned_steps_tokens_and_padding_are_what_training_does(name, tiny_model_dir, varied_pairs, tmp_path):
     from gpt4all_training.training.loop import train
@@ -87,7 +91,7 @@ def test_two_gpus_share_the_global_batch(tiny_model_dir, varied_pairs, tmp_path)
                                num_epochs=2), gpus=2)
     one = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path, batch_size=4, gradient_accumulation_steps=2,
                                num_epochs=2), gpus=1)
-    assert (two.global_batch, two.steps_per_epoch, two.total_steps, two.dropped_per_epoch) == (8, 4, 8, 1)
+    assert (two.examples_per_step, two.steps_per_epoch, two.total_steps, two.dropped_per_epoch) == (8, 4, 8, 1)
     assert (one.total_steps, one.run.trained, one.run.tokens, one.run.examples) == \
         (two.total_steps, two.run.trained, two.run.tokens, two.run.examples) == (8, one.run.trained, one.run.tokens,
                                                                                   64)
@@ -154,3 +158,27 @@ def test_throughput_measured_by_an_earlier_run(tiny_model_dir, varied_pairs, tmp
     assert plan.tokens_per_second == 200.0 and plan.seconds == pytest.approx(plan.run.tokens / 200.0)
     assert "median measured in" in plan.throughput_source
     assert np.isclose(plan.disk_bytes / GIB, plan.final_bytes / GIB)  # no step checkpoints: final/ only
+
+
+def test_a_streaming_raw_text_config_plans_the_pass_the_in_memory_loader_finds(tmp_path):
+    """objective causal_lm with streaming: true reads the stream through once to count a pass: its rows, steps and
+    dropped rows are those of streaming: false, and the run is max_steps long."""
+    from gpt4all_training.config.loader import load_config
+    from gpt4all_training.data.bpe import train_bpe_tokenizer
+
+    texts = [" ".join(WORDS[(i * k) % len(WORDS)] for k in range(1 + i % 9)) + "." for i in range(120)]
+    write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in texts])
+    train_bpe_tokenizer(texts, vocab_size=300).save_pretrained(tmp_path / "tok")
+    plans = {}
+    for streaming in ("false", "true"):
+        config = load_config("configs/train/pretrain_tiny.yaml",
+                             [f"dataset_path={tmp_path / 'text.jsonl'}", f"tokenizer_name={tmp_path / 'tok'}",
+                              f"output_dir={tmp_path / 'out'}", f"streaming={streaming}", "max_steps=5",
+                              "batch_size=2", "max_length=16"])
+        plans[streaming] = make_plan(config)
+    memory, stream = plans["false"], plans["true"]
+    assert stream.train_examples == memory.train_examples > 0
+    assert (stream.steps_per_epoch, stream.dropped_per_epoch) == (memory.steps_per_epoch, memory.dropped_per_epoch)
+    assert stream.total_steps == memory.total_steps == 5
+    assert stream.run == memory.run
+    assert "optimiser steps in total" in stream.describe()

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import random
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, write_jsonl
+from support.files import write_jsonl
+from support.launch import TORCHRUN, launch_env
+from support.paths import REPO
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.errors import UserError
-from gpt4all_training.model.loading import build_model_from_config, resolve_model_config
-from gpt4all_training.data.text import (CausalLMLoss, MaterializedRows, PretrainStats, RowSampler,
-                                            buffer_shuffle, load_pretrain_data, training_batch)
+from gpt4all_training.model.from_config import build_model_from_config, resolve_model_config
+from gpt4all_training.data.batching import collate_rows
+from gpt4all_training.data.sampling import row_sampler
+from gpt4all_training.data.text import MaterializedRows, PretrainStats, buffer_shuffle, load_pretrain_data
+from gpt4all_training.training.loss import CausalLMLoss
 from gpt4all_training.data.bpe import train_bpe_tokenizer
 from gpt4all_training.tracking.tracker import read_metrics
 
@@ -65,6 +70,8 @@ def from_scratch_run(corpus, tmp_path_factory):
     return config, train(config), output
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_tiny_model_from_scratch_reaches_a_fixed_loss(from_scratch_run, text_tokenizer):
     from transformers import AutoModelForCausalLM
 
@@ -80,6 +87,8 @@ def test_tiny_model_from_scratch_reaches_a_fixed_loss(from_scratch_run, text_tok
     assert model.config.eos_token_id == text_tokenizer.eos_token_id
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_plan_matches_the_pretraining_run(from_scratch_run):
     from gpt4all_training.preflight.plan import make_plan
 
@@ -87,7 +96,7 @@ def test_plan_matches_the_pretraining_run(from_scratch_run):
     plan = make_plan(config)
     assert (plan.total_steps, plan.run.trained, plan.train_examples) == \
         (summary["steps"], summary["trained_tokens"], summary["train_examples"])
-    assert plan.padding_fraction == 0.0 and plan.global_batch == 8
+    assert plan.padding_fraction == 0.0 and plan.examples_per_step == 8
     assert plan.steps_per_epoch == summary["train_examples"] // 8
 
 
@@ -97,8 +106,8 @@ def test_streaming_and_in_memory_loaders_yield_the_same_rows(corpus, text_tokeni
     for streaming in (False, True):
         config = config_for(corpus, corpus / "unused", f"streaming={str(streaming).lower()}", "shuffle_buffer=16",
                             "batch_size=4", "gradient_accumulation_steps=2")
-        (store, val), (stats, _) = load_pretrain_data(config, text_tokenizer, log=lambda line: None)
-        RowSampler(store, 4, 1, 0, 2, config.seed, config.max_steps)
+        (store, val), (stats, _) = load_pretrain_data(config, text_tokenizer, log=lambda line: None, world_size=1)
+        row_sampler(store, 4, 1, 0, 2, config.seed, config.max_steps)
         loaded[streaming] = store, val, stats
     memory, val_memory, stats = loaded[False]
     stream, val_stream, _ = loaded[True]
@@ -121,14 +130,14 @@ def test_rows_joined_with_eos_and_dropped_tail_counted(tmp_path):
     config = load_config(None, [f"dataset_path={tmp_path / 't.jsonl'}", "objective=causal_lm", "model_name=m",
                                 "max_length=4", "val_fraction=0", "batch_size=2", "shuffle_buffer=1",
                                 f"output_dir={tmp_path}"])
-    (store, val), (stats, _) = load_pretrain_data(config, tokenizer, log=lambda line: None)
-    RowSampler(store, 2, 1, 0, 1, 0)
+    (store, val), (stats, _) = load_pretrain_data(config, tokenizer, log=lambda line: None, world_size=1)
+    row_sampler(store, 2, 1, 0, 1, 0)
     ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "abcdefghij"}
     eos = tokenizer.eos_token_id
     assert store.rows([0, 1]).tolist() == [[ids["a"], ids["b"], ids["c"], eos], [ids["d"], ids["e"], eos, ids["f"]]]
     assert (stats.records, stats.empty, stats.tokens, stats.rows, stats.tail_tokens) == (4, 1, 13, 3, 1)
     assert (stats.steps, stats.dropped_rows, len(val)) == (1, 1, 0)
-    batch = training_batch(store.rows([0]))
+    batch = collate_rows(store.rows([0]))
     assert batch["labels"].tolist() == [[-100, ids["b"], ids["c"], eos]]  # every next token is trained
 
 
@@ -144,13 +153,15 @@ def test_buffer_shuffle_is_a_seeded_permutation():
 
 def test_a_global_step_holds_the_same_rows_on_one_or_two_ranks():
     store = MaterializedRows(np.arange(32 * 4, dtype=np.int32), 4, 0, 1, PretrainStats(), log=lambda line: None)
-    one = RowSampler(store, 4, 1, 0, 2, 0)
-    ranks = [RowSampler(store, 2, 2, r, 2, 0) for r in (0, 1)]
+    one = row_sampler(store, 4, 1, 0, 2, 0)
+    ranks = [row_sampler(store, 2, 2, r, 2, 0) for r in (0, 1)]
     for step in range(3):
         for j in range(2):
             assert one.step_indices(step)[j] == ranks[0].step_indices(step)[j] + ranks[1].step_indices(step)[j]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_streaming_resume_is_exact(corpus, tmp_path):
     """8 steps straight through, against 4 steps, a checkpoint, and a resume from the stream position it saved."""
     from safetensors.torch import load_file
@@ -186,8 +197,8 @@ def test_stream_resumes_from_its_saved_position_without_reading_what_came_before
 
     def fresh_store():
         (store, _), _ = load_pretrain_data(config_for(corpus, tmp_path / "unused", *overrides), text_tokenizer,
-                                           log=lambda line: None)
-        return RowSampler(store, 4, 1, 0, 2, 0, 100)
+                                           log=lambda line: None, world_size=1)
+        return row_sampler(store, 4, 1, 0, 2, 0, 100)
 
     straight = fresh_store()
     for step in range(5):
@@ -211,8 +222,8 @@ def test_stream_replays_to_any_position(corpus, text_tokenizer):
     config = config_for(corpus, corpus / "unused", "streaming=true", "shuffle_buffer=16")
     rows = []
     for _ in range(2):
-        (store, _), _ = load_pretrain_data(config, text_tokenizer, log=lambda line: None)
-        RowSampler(store, 8, 1, 0, 1, 0, 60)
+        (store, _), _ = load_pretrain_data(config, text_tokenizer, log=lambda line: None, world_size=1)
+        row_sampler(store, 8, 1, 0, 1, 0, 60)
         rows.append(store)
     sequential = rows[0].rows(list(range(0, 48)))
     assert rows[1].rows(list(range(40, 48))) == sequential[40:]  # a fresh stream, asked for row 40 first
@@ -227,7 +238,7 @@ def test_causal_lm_loss_with_z_loss_and_last_position(corpus, text_tokenizer):
     config = config_for(corpus, corpus / "unused")
     model = build_model_from_config(config, text_tokenizer)
     rows = [text_tokenizer.encode(t)[:12] for t in grammar_texts(3, seed=1)]
-    batch = training_batch([r + [text_tokenizer.eos_token_id] * (12 - len(r)) for r in rows])
+    batch = collate_rows([r + [text_tokenizer.eos_token_id] * (12 - len(r)) for r in rows])
     logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
     targets = batch["labels"][:, 1:]
     keep = targets != -100
@@ -271,6 +282,7 @@ def test_pretraining_config_errors_name_the_key(corpus, overrides, message):
         config_for(corpus, corpus / "unused", *overrides)
 
 
+@pytest.mark.integration
 def test_check_passes_on_the_pretraining_config(corpus, tmp_path):
     from gpt4all_training.preflight.check import run_checks
 
@@ -285,24 +297,20 @@ def test_check_passes_on_the_pretraining_config(corpus, tmp_path):
     assert lines[-1].startswith("ok    dry run: 2 steps on ") and " rows passed (loss " in lines[-1]
 
 
+@pytest.mark.integration
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_two_ranks_train_the_same_steps_as_one(corpus, tmp_path):
     """A stream on 2 ranks (batch 4 each) against 1 process (batch 8): each global step holds the same rows, so the
     losses agree up to the order gradients are summed in (measured: 4.9e-7 at most)."""
-    import os
-    import subprocess
-
-    from conftest import PYTHON
     from gpt4all_training.training.loop import train
 
     settings = [f"dataset_path={corpus / 'text.jsonl'}", f"tokenizer_name={corpus / 'tok'}", "streaming=true",
                 "max_steps=6", "save_every=null", "eval_every=null", "val_fraction=0"]
     train(load_config(CONFIG, [*settings, "batch_size=8", f"output_dir={tmp_path / 'one'}"]))
-    launcher = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    result = subprocess.run([str(Path(PYTHON).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
-                             "train.py", "--config", str(CONFIG), *settings, "batch_size=4",
-                             f"output_dir={tmp_path / 'two'}"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "train.py", "--config", str(CONFIG),
+                             *settings, "batch_size=4", f"output_dir={tmp_path / 'two'}"], cwd=REPO,
+                            env=launch_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     one, two = ([r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r]
                 for name in ("one", "two"))

@@ -17,8 +17,11 @@ from hypothesis import strategies as st
 
 from gpt4all_training import cli
 from gpt4all_training.data.clean import Filters, clean_file
-from gpt4all_training.config.loader import TrainConfig, config_fields, load_config, shown
-from gpt4all_training.data.sft import IGNORE, finish_split, tokenize_batch, tokenize_dataset
+from gpt4all_training.config.fields import shown
+from gpt4all_training.config.loader import config_fields, load_config
+from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.batch import IGNORE
+from gpt4all_training.data.sft import finish_split, tokenize_batch, tokenize_dataset
 from gpt4all_training.errors import UserError
 
 
@@ -85,6 +88,7 @@ def assert_accounted(content: bytes, report, rows) -> None:
                for row in rows)
 
 
+@pytest.mark.slow
 @bounded(400)
 @given(st.lists(st.one_of(st.binary(max_size=60), st.tuples(JSON_VALUES, st.booleans()).map(
     lambda pair: encode_line(*pair))), max_size=8).map(b"\n".join))
@@ -94,6 +98,7 @@ def test_clean_never_crashes_on_arbitrary_bytes(work, content):
     assert_accounted(content, report, rows)
 
 
+@pytest.mark.slow
 @bounded(300)
 @given(st.lists(st.one_of(
     st.tuples(st.just("any"), JSON_VALUES),
@@ -179,8 +184,8 @@ def test_lone_surrogate_is_dropped_by_tokenize_batch(tokenizer):
     assert out["drop_reason"] == ["invalid_unicode"]
 
 
-def test_lone_surrogates_never_reach_tokenisation(tmp_path):
-    from gpt4all_training.data.sft import load_records
+def test_lone_surrogates_never_reach_tokenization(tmp_path):
+    from gpt4all_training.data.records import load_records
 
     (tmp_path / "s_clean.jsonl").write_text('{"prompt": "a\\ud800b", "response": "ok"}\n')
     with pytest.raises(UserError) as error:
@@ -213,6 +218,7 @@ YAML_DOCUMENTS = st.one_of(
 )
 
 
+@pytest.mark.slow
 @bounded(300)
 @given(text=YAML_DOCUMENTS)
 @example(text="[" * 5000)  # nested deeper than Python's recursion limit

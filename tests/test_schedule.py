@@ -40,7 +40,7 @@ def test_gpt4all_horizon_trick_does_not_reach_min_lr():
     assert lr_at(TOTAL - 1) == pytest.approx(MIN_LR)
 
 
-def test_schedule_counts_optimiser_steps_without_warmup():
+def test_schedule_counts_optimizer_steps_without_warmup():
     assert cosine_with_min_lr(0, LR, MIN_LR, 0, 3) == pytest.approx(LR)
     assert cosine_with_min_lr(2, LR, MIN_LR, 0, 3) == pytest.approx(MIN_LR)
     assert cosine_with_min_lr(0, LR, MIN_LR, 0, 1) == LR  # a one-step run trains at the peak

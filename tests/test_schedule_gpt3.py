@@ -5,7 +5,8 @@ from functools import partial
 import pytest
 import torch
 
-from gpt4all_training.config.loader import TrainConfig, validate
+from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.training.schedule import gpt3_schedule, learning_rate
 
@@ -63,7 +64,7 @@ def test_learning_rate_dispatches_on_lr_schedule():
 
 def test_train_loop_scheduler_follows_gpt3():
     """The loop's LambdaLR (train.lr_factor) applies the same values to the optimiser, step by step."""
-    from gpt4all_training.training.loop import lr_factor
+    from gpt4all_training.training.schedule import lr_factor
 
     config = gpt3_config()
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)

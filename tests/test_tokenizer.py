@@ -6,16 +6,21 @@ import argparse
 import json
 import keyword
 import subprocess
+import typing
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import PYTHON, REPO, dolly_texts, write_jsonl
+from support.files import dolly_texts, write_jsonl
+from support.paths import PYTHON, REPO
 from gpt4all_training.errors import UserError
-from gpt4all_training.data.bpe import (EOS, TokenizerConfig, build_tokenizer, run, tokenizer_stats,
-                                        train_bpe_tokenizer, validate_tokenizer_config)
+from gpt4all_training.cli.tokenizer import run
+from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.fields import choices
+from gpt4all_training.config.schemas import EOS, TokenizerConfig
+from gpt4all_training.data.bpe import CODE_KEYWORDS, build_tokenizer, tokenizer_stats, train_bpe_tokenizer
 
 # Python source to learn from: the standard library's own modules, read by path (nothing is copied into the repo).
 STDLIB = Path(keyword.__file__).parent
@@ -124,8 +129,8 @@ def test_statistics_by_hand():
 def test_held_out_records_are_not_trained_on(tmp_path):
     """Record 0 (held out, every 10th) holds a word repeated often enough to merge if it were trained on."""
     rows = [{"text": "zqzqzq " * 50}] + [{"text": "plain words here"} for _ in range(9)]
-    config = validate_tokenizer_config(TokenizerConfig(dataset_path=str(write_jsonl(tmp_path / "d.jsonl", rows)),
-                                                       vocab_size=300, heldout_size=1, min_frequency=1))
+    config = validate(TokenizerConfig(dataset_path=str(write_jsonl(tmp_path / "d.jsonl", rows)),
+                                      vocab_size=300, heldout_size=1, min_frequency=1))
     tokenizer, stats = build_tokenizer(config)
     assert "zq" not in tokenizer.get_vocab() and "Ġhere" in tokenizer.get_vocab()
     assert stats.texts == 1 and stats.split_share == 1.0  # ' zqzqzq' is never one token
@@ -141,8 +146,7 @@ def test_held_out_records_are_not_trained_on(tmp_path):
 def test_config_and_data_errors_say_what_to_fix(tmp_path, rows, overrides, message):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(UserError, match=message):
-        config = validate_tokenizer_config(TokenizerConfig(dataset_path=str(path), **{"vocab_size": 300,
-                                                                                      **overrides}))
+        config = validate(TokenizerConfig(dataset_path=str(path), **{"vocab_size": 300, **overrides}))
         build_tokenizer(config)
 
 
@@ -153,14 +157,20 @@ def test_bad_json_line_is_reported_with_its_number(tmp_path):
         build_tokenizer(TokenizerConfig(dataset_path=str(path), vocab_size=300))
 
 
+@pytest.mark.integration
 def test_command_line_prints_statistics(code_corpus, tmp_path):
     out = tmp_path / "tok"
-    result = subprocess.run([PYTHON, "-m", "gpt4all_training.data.bpe", f"dataset_path={code_corpus}",
+    result = subprocess.run([PYTHON, "-m", "gpt4all_training.cli", "tokenizer", f"dataset_path={code_corpus}",
                              "vocab_size=800", "code_language=python", "max_examples=20", "heldout_size=2",
                              f"output_dir={out}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"tokenizer: 800 tokens, saved to {out}" in result.stdout
     assert "fertility: " in result.stdout and "indentation runs that are one token: 2 spaces" in result.stdout
-    bad = subprocess.run([PYTHON, "-m", "gpt4all_training.data.bpe", f"dataset_path={tmp_path / 'none.jsonl'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([PYTHON, "-m", "gpt4all_training.cli", "tokenizer",
+                          f"dataset_path={tmp_path / 'none.jsonl'}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip() == f"error: dataset_path: {tmp_path / 'none.jsonl'} does not exist"
+
+
+def test_every_code_language_choice_has_its_keywords():
+    assert choices(typing.get_type_hints(TokenizerConfig)["code_language"]) == tuple(CODE_KEYWORDS)

@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, build_tiny_gptj, write_jsonl
-from gpt4all_training.config.loader import TrainConfig, validate
-from gpt4all_training.data.sft import IGNORE, fetch_batch, load_data
+from support.files import write_jsonl
+from support.models import build_tiny_gptj
+from support.paths import PYTHON, REPO
+from gpt4all_training.backends.accelerate import backend_for
+from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.batch import IGNORE
+from gpt4all_training.data.batching import fetch_batch
+from gpt4all_training.data.sft import load_data
 from gpt4all_training.tracking.tracker import read_metrics
 
 THRESHOLD_LORA = 0.1  # measured 0.061 after 40 steps (fp32, CPU)
@@ -73,6 +79,7 @@ def training_batch(tokenizer, model_dir, data_dir, indices):
     return train_ds, fetch_batch(train_ds, indices, tokenizer.pad_token_id)
 
 
+@pytest.mark.integration
 def test_full_finetune_overfits_eight_examples(full_run):
     summary, output = full_run
     losses = [row["loss"] for row in read_metrics(output / "metrics.jsonl") if "loss" in row]
@@ -81,6 +88,7 @@ def test_full_finetune_overfits_eight_examples(full_run):
     assert losses[-1] < 0.1, losses[-5:]  # measured 0.068 at step 40 (fp32, CPU, seed 0)
 
 
+@pytest.mark.integration
 def test_lora_overfits_eight_examples(lora_run):
     summary, output = lora_run
     losses = [row["loss"] for row in read_metrics(output / "metrics.jsonl") if "loss" in row]
@@ -91,12 +99,14 @@ def test_lora_overfits_eight_examples(lora_run):
 
 
 def test_lora_defaults_to_pefts_target_modules(tiny_model_dir):
-    from gpt4all_training.model.loading import apply_lora, load_model
+    from gpt4all_training.model.loading import load_model
+    from gpt4all_training.model.lora import apply_lora
 
     model = apply_lora(load_model(str(tiny_model_dir)), 8, 16, 0.0, None, False)
     assert sorted(model.peft_config["default"].target_modules) == ["q_proj", "v_proj"]  # PEFT's choice for GPT-J
 
 
+@pytest.mark.integration
 def test_eos_is_learned_when_pad_is_eos(full_run, tokenizer, tiny_model_dir, eight_examples):
     """gpt4all's first LoRA never stopped: masking pad also masked EOS. Ours predicts EOS after every answer."""
     from transformers import AutoModelForCausalLM
@@ -113,6 +123,7 @@ def test_eos_is_learned_when_pad_is_eos(full_run, tokenizer, tiny_model_dir, eig
         assert predicted[row, n - 2] == tokenizer.eos_token_id
 
 
+@pytest.mark.integration
 def test_final_folder_reloads_with_plain_transformers(full_run, tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -133,17 +144,18 @@ def test_saved_final_gives_the_in_memory_logits(tiny_model_dir, tokenizer, eight
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from gpt4all_training.model.loading import apply_lora, load_model
-    from gpt4all_training.training.loop import save_final
+    from gpt4all_training.model.loading import load_model
+    from gpt4all_training.model.lora import apply_lora
+    from gpt4all_training.training.final import save_final
 
     _, batch = training_batch(tokenizer, tiny_model_dir, eight_examples, [0, 1, 2])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    accelerator = Accelerator()
+    backend = backend_for(Accelerator())
     model = load_model(str(tiny_model_dir))
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.01)  # anything but the fixture's weights
-    save_final(accelerator, model, tokenizer, tmp_path / "full", merge_lora=False)
+    save_final(backend, model, tokenizer, tmp_path / "full", merge_lora=False)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
     with torch.no_grad():
         assert torch.equal(model.eval()(**inputs).logits, reloaded.eval()(**inputs).logits)
@@ -154,7 +166,7 @@ def test_saved_final_gives_the_in_memory_logits(tiny_model_dir, tokenizer, eight
             if "lora_B" in name:
                 param.normal_(std=0.05)  # B starts at zero; make the adapter matter
         expected = peft_model.eval()(**inputs).logits
-    save_final(accelerator, peft_model, tokenizer, tmp_path / "adapter", merge_lora=True)
+    save_final(backend, peft_model, tokenizer, tmp_path / "adapter", merge_lora=True)
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter" / "merged")
     with torch.no_grad():
@@ -165,6 +177,7 @@ def test_saved_final_gives_the_in_memory_logits(tiny_model_dir, tokenizer, eight
     assert (expected - AutoModelForCausalLM.from_pretrained(tiny_model_dir)(**inputs).logits).abs().max() > 1e-3
 
 
+@pytest.mark.integration
 def test_merged_lora_from_training_matches_adapter(lora_run, full_run, tiny_model_dir, tokenizer, eight_examples):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -186,9 +199,9 @@ def one_sgd_step(model_dir, tokenizer, train_ds, batch_size, accumulation, naive
 
     from gpt4all_training.model.loading import load_model
     from gpt4all_training.data.sampling import StepSampler
-    from gpt4all_training.training.loop import train_step
+    from gpt4all_training.training.step import train_step
 
-    accelerator = Accelerator()
+    backend = backend_for(Accelerator())
     model = load_model(str(model_dir))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -196,13 +209,14 @@ def one_sgd_step(model_dir, tokenizer, train_ds, batch_size, accumulation, naive
     sampler = StepSampler(len(train_ds), batch_size, 1, 0, accumulation, seed=0)
     batches = [fetch_batch(train_ds, indices, tokenizer.pad_token_id) for indices in sampler.step_indices(0)]
     if naive:  # what gpt4all did: mean of per-micro-batch means
-        from gpt4all_training.training.loss import token_loss_sum, trained_token_count
+        from gpt4all_training.batch import trained_token_count
+        from gpt4all_training.training.loss import token_loss_sum
 
         for batch in batches:
             (token_loss_sum(model, batch) / trained_token_count(batch) / accumulation).backward()
         optimizer.step()
     else:
-        train_step(model, batches, accelerator, optimizer, scheduler, None, 0)
+        train_step(model, batches, backend, optimizer, scheduler, None, 0)
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 
@@ -218,6 +232,7 @@ def test_accumulation_gives_the_same_gradient_as_a_big_batch(tiny_model_dir, tok
     assert max(g.abs().max().item() for g in big.values()) > 1e-3
 
 
+@pytest.mark.integration
 def test_metrics_has_one_row_per_logged_step(full_run):
     _, output = full_run
     rows = read_metrics(output / "metrics.jsonl")
@@ -246,9 +261,9 @@ def test_validation_loss_is_token_weighted(tiny_model_dir, tokenizer, clean_doll
             batch = fetch_batch(val_ds, [i], tokenizer.pad_token_id)
             total += token_loss_sum(model, batch).item()
             count += int((batch["labels"][:, 1:] != IGNORE).sum())
-    accelerator = Accelerator()
-    by_three = evaluate_loss(model, val_ds, accelerator, 3, tokenizer.pad_token_id)
-    by_five = evaluate_loss(model, val_ds, accelerator, 5, tokenizer.pad_token_id)
+    backend = backend_for(Accelerator())
+    by_three = evaluate_loss(model, val_ds, backend, 3, tokenizer.pad_token_id)
+    by_five = evaluate_loss(model, val_ds, backend, 5, tokenizer.pad_token_id)
     assert by_three["val_tokens"] == count
     assert by_three["val_loss"] == pytest.approx(total / count, rel=1e-5)
     assert by_five["val_loss"] == pytest.approx(total / count, rel=1e-5)
@@ -259,6 +274,7 @@ def run_cli(*args, cwd=REPO):
                           timeout=300)
 
 
+@pytest.mark.integration
 def test_command_line_overrides_take_effect(tiny_model_dir, eight_examples, tmp_path):
     result = run_cli("--config", "configs/train/finetune_tiny.yaml", f"model_name={tiny_model_dir}",
                      f"dataset_path={eight_examples}", f"output_dir={tmp_path}", "max_steps=3", "lr=5e-3",
@@ -270,6 +286,7 @@ def test_command_line_overrides_take_effect(tiny_model_dir, eight_examples, tmp_
     assert not list(tmp_path.glob("step_*"))
 
 
+@pytest.mark.integration
 def test_nan_loss_stops_with_the_step_named(tiny_model_dir, tokenizer, eight_examples, tmp_path):
     model = build_tiny_gptj(tokenizer)
     with torch.no_grad():
@@ -285,9 +302,66 @@ def test_nan_loss_stops_with_the_step_named(tiny_model_dir, tokenizer, eight_exa
     assert not (tmp_path / "out" / "final").exists()
 
 
+@pytest.mark.integration
 def test_missing_model_path_is_one_line(eight_examples, tmp_path):
     result = run_cli("--config", "configs/train/finetune_tiny.yaml", f"model_name={tmp_path / 'nope'}",
                      f"dataset_path={eight_examples}", f"output_dir={tmp_path / 'out'}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: model_name: {tmp_path / 'nope'} does not exist; give a "
                                                   f"local folder or a Hub id like org/name"]
+
+
+def test_a_training_error_leaves_signals_gc_tracker_and_progress_bar_as_they_were(
+        tiny_model_dir, tokenizer, eight_examples, tmp_path, monkeypatch):
+    """A NaN loss raises a TrainingError out of train(): the loop's signal handlers are gone again, the garbage
+    collector is not frozen, the trackers are closed and the progress bar is closed."""
+    import gc
+    import signal
+
+    from tqdm.auto import tqdm
+
+    import gpt4all_training.training.objectives as objectives
+    from gpt4all_training.errors import TrainingError
+    from gpt4all_training.tracking.tracker import Tracker
+    from gpt4all_training.training.loop import train
+
+    real_loss = objectives.token_loss_sum
+    monkeypatch.setattr(objectives, "token_loss_sum", lambda model, batch: real_loss(model, batch) * float("nan"))
+    closed = []
+    close = Tracker.close
+    monkeypatch.setattr(Tracker, "close", lambda self: (closed.append(self.tensorboard is not None), close(self)))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    frozen = gc.get_freeze_count()
+    config = tiny_config(tiny_model_dir, eight_examples, tmp_path, max_steps=3, report_to=["jsonl", "tensorboard"])
+    with pytest.raises(TrainingError, match=r"^step 1: the loss is nan"):
+        train(config)
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    assert gc.get_freeze_count() == frozen
+    assert closed[:1] == [True]  # the TensorBoard writer was open, and close() ran
+    assert not [bar for bar in getattr(tqdm, "_instances", ()) if bar.desc == "training"]
+
+
+@pytest.mark.integration
+def test_log_grads_every_logs_gradient_norms_per_parameter_group(tiny_model_dir, eight_examples, tmp_path):
+    """Every log_grads_every steps: metrics.jsonl holds each parameter group's gradient norm as a number, and
+    TensorBoard a histogram of its parameters' norms. Group norms combine to the step's (unclipped) grad_norm."""
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gpt4all_training.training.loop import train
+
+    train(tiny_config(tiny_model_dir, eight_examples, tmp_path, max_steps=4, log_grads_every=2,
+                      report_to=["jsonl", "tensorboard"]))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    grads = [r for r in rows if "grad_norm/decay" in r]
+    assert [r["step"] for r in grads] == [2, 4]
+    losses = {r["step"]: r for r in rows if "loss" in r}
+    for row in grads:
+        assert set(row) == {"step", "grad_norm/decay", "grad_norm/no_decay"}
+        combined = math.hypot(row["grad_norm/decay"], row["grad_norm/no_decay"])
+        assert combined == pytest.approx(losses[row["step"]]["grad_norm"], rel=1e-4)
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0})
+    events.Reload()
+    assert {"grad_norms/decay", "grad_norms/no_decay"} <= set(events.Tags()["histograms"])
+    assert [e.step for e in events.Histograms("grad_norms/decay")] == [2, 4]

@@ -19,8 +19,6 @@ agree across batchings (and so across world sizes) up to float rounding.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -29,71 +27,29 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from gpt4all_training.config.loader import DTYPES, doc, load_config
-from gpt4all_training.data.sft import IGNORE, collate, effective_num_proc, finish_split, load_records, resolve_template, split_records, \
-    tokenize_dataset
+from gpt4all_training.backends.accelerate import build_backend
+from gpt4all_training.config.schemas import InferenceConfig
+from gpt4all_training.batch import IGNORE
+from gpt4all_training.data.batching import collate
+from gpt4all_training.data.prompts import resolve_template
+from gpt4all_training.data.records import load_records
+from gpt4all_training.data.sft import effective_num_proc, finish_split, split_records, tokenize_dataset
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.loading import load_model, tokenizer_for
+from gpt4all_training.training.loss import nll_sum
 
 SPLITS = ("train", "val")
-POOLINGS = ("last", "mean")
 RESULT_FILE = "inference.parquet"
 SUMMARY_FILE = "inference.json"
 # Columns data.tokenize_batch adds; they are bookkeeping for training, not fields of the record.
 TOKEN_COLUMNS = ("input_ids", "labels", "n_trained", "length", "truncated_prompt", "truncated_response",
                  "drop_reason")
 RESULT_COLUMNS = ("split", "loss", "n_tokens", "embedding")
-
-
-@dataclass
-class InferenceConfig:
-    # --- model ---
-    model_name: Optional[str] = doc("The trained model: a final/ or step_N/model folder (full model or LoRA "
-                                    "adapter), a Hub id, or a .gguf file. Required.")
-    tokenizer_name: Optional[str] = doc("Tokenizer to load; defaults to model_name.")
-    gguf_file: Optional[str] = doc("GGUF file name inside the model_name folder, when the weights are GGUF.")
-    model_revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the model.")
-    trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
-    dtype: str = doc("Weights and compute precision: float32, bfloat16 or float16.", "float32")
-    # --- data: these must equal the training config's, or the split and the tokens differ ---
-    dataset_path: Optional[str] = doc("The training dataset_path: *_clean.jsonl file, folder or Hub id. Required.")
-    revision: Optional[str] = doc("The training data's Hub revision; gpt4all's inference forgot it.")
-    seed: int = doc("The training seed: it decides the train/validation split.", 42)
-    val_fraction: float = doc("The training val_fraction.", 0.05)
-    max_length: int = doc("The training max_length (same truncation, same trained tokens).", 1024)
-    prompt_template: str = doc("The training prompt_template: 'plain', 'chat' or 'auto'.", "auto")
-    num_proc: int = doc("Processes for tokenisation; capped at the machine's cores.", 4)
-    streaming: bool = doc("gpt4all compatibility: when true, tokenise in this process (num_proc=1).", False)
-    # --- inference ---
-    batch_size: int = doc("Examples per forward pass, per process.", 8)
-    pooling: str = doc("Embedding: 'last' (hidden state of the last real token) or 'mean' (over real tokens).",
-                       "last")
-    output_dir: str = doc("Where inference.parquet and inference.json go.", "ckpts/inference")
-
-
-def validate_inference(config: InferenceConfig) -> InferenceConfig:
-    c = config
-    for key in ("model_name", "dataset_path"):
-        if not getattr(c, key):
-            raise UserError(f"{key}: missing; set it in the config or on the command line as {key}=...")
-    checks = [
-        ("batch_size", c.batch_size >= 1, "must be at least 1"),
-        ("max_length", c.max_length >= 2, "must be at least 2"),
-        ("val_fraction", 0 <= c.val_fraction < 1, "must be in [0, 1)"),
-        ("num_proc", c.num_proc >= 1, "must be at least 1"),
-        ("dtype", c.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
-        ("pooling", c.pooling in POOLINGS, f"must be one of {', '.join(POOLINGS)}"),
-        ("prompt_template", c.prompt_template in ("auto", "plain", "chat"), "must be auto, plain or chat"),
-    ]
-    for key, ok, message in checks:
-        if not ok:
-            raise UserError(f"{key}: {message}, got {getattr(c, key)!r}")
-    return c
 
 
 # ---------------------------------------------------------------- per-example maths (pure)
@@ -106,10 +62,7 @@ def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     """
     targets = labels[:, 1:]
     n_tokens = (targets != IGNORE).sum(dim=1)
-    sums = torch.stack([
-        F.cross_entropy(logits[i, :-1].float(), targets[i], ignore_index=IGNORE, reduction="sum")
-        for i in range(logits.shape[0])
-    ])
+    sums = torch.stack([nll_sum(logits[i, :-1].float(), targets[i]) for i in range(logits.shape[0])])
     return sums / n_tokens.to(sums.dtype), n_tokens
 
 
@@ -131,47 +84,6 @@ def length_sorted_order(lengths: np.ndarray, split_codes: np.ndarray, indices: n
 def rank_share(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """Every world_size-th position from `rank`: disjoint, covering, and balanced in length across ranks."""
     return order[rank::world_size]
-
-
-# ---------------------------------------------------------------- processes
-
-@dataclass
-class Runtime:
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
-
-
-def init_runtime() -> Runtime:
-    """The process group from torchrun's environment: nccl on the local GPU, gloo on CPU; none for one process."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Runtime(rank, world_size, device)
-
-
-@contextlib.contextmanager
-def main_process_first(runtime: Runtime) -> Iterator[None]:
-    """The main process fills the datasets cache alone; the others then read it instead of racing to write it."""
-    if not runtime.is_main:
-        runtime.barrier()
-    yield
-    if runtime.is_main:
-        runtime.barrier()
 
 
 # ---------------------------------------------------------------- data
@@ -325,76 +237,63 @@ def split_summary(table) -> dict[str, dict[str, float]]:
 
 # ---------------------------------------------------------------- the run
 
-def progress_bar(total: int, runtime: Runtime):
+def progress_bar(total: int, backend):
     from tqdm.auto import tqdm
 
-    desc = "inference" if runtime.world_size == 1 else f"inference (rank 0 of {runtime.world_size})"
-    return tqdm(total=total, unit="ex", desc=desc, disable=not runtime.is_main, mininterval=1.0)
+    desc = "inference" if backend.world_size == 1 else f"inference (rank 0 of {backend.world_size})"
+    return tqdm(total=total, unit="ex", desc=desc, disable=not backend.is_main_process, mininterval=1.0)
 
 
 def run_inference(config: InferenceConfig) -> Optional[Path]:
     """Score every example on this process's share; the main process returns the merged Parquet's path."""
-    from gpt4all_training.model.loading import load_model, tokenizer_for
-
-    runtime = init_runtime()
+    backend = build_backend()  # torchrun's processes: nccl on the local GPU, gloo on CPU; none for one process
     try:
         torch.manual_seed(config.seed)
         output_dir = Path(config.output_dir)
         tokenizer = tokenizer_for(config)
-        with main_process_first(runtime):
-            if runtime.is_main:
+        # The main process fills the datasets cache alone; the others then read it instead of racing to write it.
+        with backend.main_process_first():
+            if backend.is_main_process:
                 shutil.rmtree(output_dir / "shards", ignore_errors=True)  # left by a crashed run
                 output_dir.mkdir(parents=True, exist_ok=True)
             examples = load_examples(config, tokenizer)
         model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                            dtype=getattr(torch, config.dtype))
-        model.to(runtime.device).eval()
+        model.to(backend.device).eval()
 
         order = length_sorted_order(examples.lengths, examples.split_codes, examples.indices)
-        mine = rank_share(order, runtime.rank, runtime.world_size)
-        runtime.barrier()
+        mine = rank_share(order, backend.rank, backend.world_size)
+        backend.wait_for_everyone()
         started = time.perf_counter()
-        with progress_bar(len(mine), runtime) as progress:
+        with progress_bar(len(mine), backend) as progress:
             results = score_positions(model, examples, mine, config.batch_size, tokenizer.pad_token_id,
-                                      config.pooling, runtime.device, progress)
-        runtime.barrier()
+                                      config.pooling, backend.device, progress)
+        backend.wait_for_everyone()
         elapsed = time.perf_counter() - started
-        write_shard(results, examples, shard_path(output_dir, runtime.rank, runtime.world_size))
-        runtime.barrier()
-        if not runtime.is_main:
+        write_shard(results, examples, shard_path(output_dir, backend.rank, backend.world_size))
+        backend.wait_for_everyone()
+        if not backend.is_main_process:
             return None
-        path = merge_shards(examples, output_dir, runtime.world_size)
-        write_summary(config, runtime, path, elapsed)
+        path = merge_shards(examples, output_dir, backend.world_size)
+        write_summary(config, backend.world_size, path, elapsed)
         return path
     finally:
-        if runtime.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        backend.end()
 
 
-def write_summary(config: InferenceConfig, runtime: Runtime, path: Path, elapsed: float) -> None:
+def write_summary(config: InferenceConfig, world_size: int, path: Path, elapsed: float) -> None:
     """inference.json: the config, per-split losses and the scoring throughput (model loading not included)."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(path, columns=["split", "loss", "n_tokens"])
     rate = table.num_rows / elapsed if elapsed > 0 else math.inf
-    summary = {"config": dataclasses.asdict(config), "world_size": runtime.world_size,
+    summary = {"config": dataclasses.asdict(config), "world_size": world_size,
                "examples": table.num_rows, "seconds": round(elapsed, 3), "examples_per_second": round(rate, 2),
                "splits": split_summary(table)}
     (path.parent / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     for name, stats in summary["splits"].items():
         print(f"{name}: {stats['examples']} examples, mean example loss {stats['mean_example_loss']:.4f}, "
               f"token-weighted loss {stats['token_weighted_loss']:.4f}")
-    print(f"{table.num_rows} examples in {elapsed:.2f} s on {runtime.world_size} process(es): "
+    print(f"{table.num_rows} examples in {elapsed:.2f} s on {world_size} process(es): "
           f"{rate:.1f} examples/s")
     print(f"wrote {path}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="inference config YAML (configs/inference/*.yaml)")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-
-
-def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides, cls=InferenceConfig, check=validate_inference)
-    run_inference(config)
-    return 0

@@ -15,16 +15,16 @@ from gpt4all_training.errors import TrainingError, UserError
 
 # subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "clean": ("gpt4all_training.data.clean", "normalise raw JSONL into prompt/response/source records"),
-    "data": ("gpt4all_training.data.sft", "tokenise a dataset and show examples and statistics"),
-    "train": ("gpt4all_training.training.loop", "fine-tune a model (run under python, accelerate launch or torchrun)"),
-    "inference": ("gpt4all_training.analysis.inference", "per-example loss and embeddings over the training data"),
-    "build_map": ("gpt4all_training.analysis.build_map", "an interactive HTML map of inference embeddings"),
-    "generate": ("gpt4all_training.generation.generate", "generate text from a trained model"),
-    "export": ("gpt4all_training.export.hf", "export a checkpoint as a slim HF folder or a GGUF file"),
-    "tokenizer": ("gpt4all_training.data.bpe", "train a byte-level BPE tokenizer"),
-    "plan": ("gpt4all_training.preflight.plan", "print the step, memory and time arithmetic of a config"),
-    "check": ("gpt4all_training.preflight.check", "pre-flight checks before a long run"),
+    "clean": ("gpt4all_training.cli.clean", "normalise raw JSONL into prompt/response/source records"),
+    "data": ("gpt4all_training.cli.data", "tokenise a dataset and show examples and statistics"),
+    "train": ("gpt4all_training.cli.train", "fine-tune a model (run under python, accelerate launch or torchrun)"),
+    "inference": ("gpt4all_training.cli.inference", "per-example loss and embeddings over the training data"),
+    "build_map": ("gpt4all_training.cli.build_map", "an interactive HTML map of inference embeddings"),
+    "generate": ("gpt4all_training.cli.generate", "generate text from a trained model"),
+    "export": ("gpt4all_training.cli.export", "export a checkpoint as a slim HF folder or a GGUF file"),
+    "tokenizer": ("gpt4all_training.cli.tokenizer", "train a byte-level BPE tokenizer"),
+    "plan": ("gpt4all_training.cli.plan", "print the step, memory and time arithmetic of a config"),
+    "check": ("gpt4all_training.cli.check", "pre-flight checks before a long run"),
 }
 
 

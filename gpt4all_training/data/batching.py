@@ -1,4 +1,10 @@
-"""Packing: lay a micro-batch's examples out in as few rows as possible, with no attention across examples.
+"""Building micro-batches (the format of batch.py), one builder for every layout:
+- padded: each example a row, padded on the right to the batch's longest (training, evaluation, inference);
+- left-padded: prompts ending at the same column, for generation;
+- constant-length rows: raw-text rows of max_length tokens, every token trained but the first;
+- packed: whole examples in as few rows as possible, with no attention across examples.
+
+Packing: lay a micro-batch's examples out in as few rows as possible, with no attention across examples.
 
 What packing changes, and what it does not. The sampler fixes which examples each optimiser step trains on, as a
 function of (seed, epoch, step), for every world size. Packing only changes how one micro-batch's examples are laid
@@ -22,8 +28,8 @@ given, and builds a block-diagonal causal mask for the attention implementation 
 - flash-attention 2/3 (GPU): varlen kernels with `cu_seqlens` taken from the position ids, so no padding or masked
   blocks are computed at all.
 One batch format therefore works on CPU and GPU with GPT-J, Llama and the other models built on `create_causal_mask`.
-A model with its own attention code may ignore position ids and attend across examples; `check_isolation` runs at
-start-up and refuses such a model rather than train it on contaminated context.
+A model with its own attention code may ignore position ids and attend across examples; model/isolation.py's
+`check_isolation` runs at start-up and refuses such a model rather than train it on contaminated context.
 
 Labels are the unpacked labels copied as they are. The first token of each example keeps its IGNORE label (nothing
 in the example predicts it; the previous example's last token must not learn to predict it).
@@ -31,13 +37,13 @@ in the example predicts it; the previous example's last token must not learn to 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, Literal, Optional, Sequence
 
+import numpy as np
 import torch
 
-from gpt4all_training.data.sft import IGNORE, fetch_batch
-from gpt4all_training.errors import UserError
-from gpt4all_training.training.loss import model_inputs, unwrap_model
+from gpt4all_training.batch import IGNORE
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -86,6 +92,45 @@ def pack_rows(lengths: list[int], max_length: int) -> list[list[int]]:
     return [sorted(row) for row in rows]  # the sampler's order inside a row: the layout is a pure function of it
 
 
+def collate(examples: Sequence[dict[str, Any]], pad_id: int, padding_side: Literal["right", "left"] = "right",
+            packing_length: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """A micro-batch of `examples` ({"input_ids", and "labels" unless they are prompts}).
+
+    Padded to the longest example with `pad_id` (labels IGNORE, attention_mask 0), on the right, or on the `left`
+    (prompts to generate from, which must end at the same column). With `packing_length`, packed into rows of up
+    to that many tokens instead (collate_packed).
+    """
+    if packing_length is not None:
+        return collate_packed(examples, pad_id, packing_length)
+    width = max(len(e["input_ids"]) for e in examples)
+    shape = (len(examples), width)
+    labelled = "labels" in examples[0]
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, IGNORE, dtype=torch.long) if labelled else None
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    for i, example in enumerate(examples):
+        n = len(example["input_ids"])
+        columns = slice(0, n) if padding_side == "right" else slice(width - n, width)
+        input_ids[i, columns] = torch.as_tensor(example["input_ids"])
+        if labelled:
+            labels[i, columns] = torch.as_tensor(example["labels"])
+        attention_mask[i, columns] = 1
+    if not labelled:
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def row_labels(row: Sequence[int]) -> list[int]:
+    """A raw-text row's labels: every token trained but the first, which nothing predicts."""
+    return [IGNORE, *row[1:]]
+
+
+def collate_rows(rows: Sequence[Sequence[int]] | np.ndarray) -> dict[str, torch.Tensor]:
+    """Constant-length rows as a micro-batch: every token trained but the first, nothing padded."""
+    rows = np.asarray(rows, dtype=np.int64).tolist()
+    return collate([{"input_ids": row, "labels": row_labels(row)} for row in rows], pad_id=0)
+
+
 def collate_packed(rows: list[dict[str, Any]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
     """A packed micro-batch: input_ids, labels, position_ids and sequence_ids, each (rows, width).
 
@@ -114,49 +159,19 @@ def collate_packed(rows: list[dict[str, Any]], pad_id: int, max_length: int) -> 
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "sequence_ids": sequence_ids}
 
 
-def fetch_packed_batch(dataset, indices: list[int], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
-    """Rows `indices` of a tokenised dataset, packed."""
+def fetch_batch(dataset, indices: list[int], pad_id: int, packing_length: Optional[int] = None
+                ) -> dict[str, torch.Tensor]:
+    """Rows `indices` of a tokenised dataset as a micro-batch: padded, or packed into rows of `packing_length`."""
     columns = dataset.select_columns(["input_ids", "labels"])[indices]
-    rows = [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
-    return collate_packed(rows, pad_id, max_length)
+    examples = [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
+    return collate(examples, pad_id, packing_length=packing_length)
+
+
+def fetch_rows(store, ids: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """The loop's `fetch(dataset, indices, pad_id)` for a raw-text row store (rows need no padding)."""
+    return collate_rows(store.rows(ids))
 
 
 def batch_fetcher(packing: bool, max_length: int) -> Callable[[Any, list[int], int], dict[str, torch.Tensor]]:
     """fetch(dataset, indices, pad_id) -> micro-batch: packed or padded to its longest example."""
-    if not packing:
-        return fetch_batch
-    return lambda dataset, indices, pad_id: fetch_packed_batch(dataset, indices, pad_id, max_length)
-
-
-@torch.no_grad()
-def check_isolation(model, tolerance: float = 1e-3) -> float:
-    """Refuse packing for a model that attends across packed examples; returns the measured difference.
-
-    `model` may be wrapped (DDP, DeepSpeed, PEFT): it is called like in training, so under ZeRO-3 every rank runs it.
-
-    Two short examples are run packed in one row and the second alone. With isolation its log-probabilities are the
-    same up to rounding; attention across the boundary changes them at the first position already.
-    """
-    embeddings = unwrap_model(model).get_input_embeddings()
-    vocab, device = embeddings.num_embeddings, embeddings.weight.device
-    was_training = model.training
-    model.eval()
-    try:
-        first = torch.tensor([3, 1, 4, 1, 5]) % vocab
-        second = torch.tensor([9, 2, 6, 5]) % vocab
-        packed = torch.cat([first, second])[None].to(device)
-        positions = torch.cat([torch.arange(5), torch.arange(4)])[None].to(device)
-        inside = model(**model_inputs({"input_ids": packed, "position_ids": positions}))
-        alone = model(**model_inputs({"input_ids": second[None].to(device)}))
-        inside = inside.logits[0, 5:].float().log_softmax(-1)
-        alone = alone.logits[0].float().log_softmax(-1)
-    finally:
-        model.train(was_training)
-    difference = float((inside - alone).abs().max())
-    if not difference <= tolerance:
-        name = type(unwrap_model(model)).__name__
-        implementation = getattr(getattr(model, "config", None), "_attn_implementation", "?")
-        raise UserError(f"packing: {name} with attention '{implementation}' lets packed examples attend to each "
-                        f"other (log-prob difference {difference:.2e}); set packing: false or use a model built on "
-                        f"transformers' create_causal_mask")
-    return difference
+    return partial(fetch_batch, packing_length=max_length) if packing else fetch_batch

@@ -1,7 +1,7 @@
 """Byte-level BPE tokenizer training: every byte is in the initial alphabet, so no text is ever unknown.
 
 `gpt4all-training tokenizer --config configs/tokenizer/x.yaml [key=value ...]` (or `python -m
-gpt4all_training.tokenizer ...`) streams a dataset's text field (local JSONL, or a Hub dataset at a pinned
+gpt4all_training.cli tokenizer ...`) streams a dataset's text field (local JSONL, or a Hub dataset at a pinned
 revision), trains the tokenizer, saves it with `save_pretrained` (so `AutoTokenizer.from_pretrained(dir)` loads
 it) and prints its statistics on held-out records: fertility, the share of words split into pieces, and for code
 whether the language's keywords and indentation runs are single tokens.
@@ -14,7 +14,6 @@ round-trip every text exactly: pre-tokenization only decides where merges may ha
 
 from __future__ import annotations
 
-import argparse
 import json
 import keyword
 from dataclasses import asdict, dataclass
@@ -25,17 +24,16 @@ from typing import Iterable, Iterator, Optional
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from gpt4all_training.config.loader import doc, load_config
+from gpt4all_training.config.schemas import EOS, HELDOUT_STRIDE, TokenizerConfig
+from gpt4all_training.data.records import iter_texts
 from gpt4all_training.errors import UserError
 
-EOS = "<|endoftext|>"
 # A line's leading run of spaces and tabs (after a newline): isolated before the byte-level split.
 INDENTATION = Regex(r"(?<=\n)[ \t]+")
+# One entry per code_language choice of TokenizerConfig.
 CODE_KEYWORDS = {"python": tuple(keyword.kwlist)}
 INDENTATION_RUNS = {"2 spaces": "  ", "4 spaces": " " * 4, "8 spaces": " " * 8, "12 spaces": " " * 12,
                     "1 tab": "\t", "2 tabs": "\t\t"}
-# Held-out records for the statistics are every HELDOUT_STRIDE-th record, so they spread over the whole stream.
-HELDOUT_STRIDE = 10
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1000, min_frequency: int = 2,
@@ -57,49 +55,6 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1000, min_freque
     # Like GPT-J's tokenizer: bos = eos = unk, no pad token (loading sets pad = eos, the case gpt4all got wrong).
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, unk_token=eos,
                                    clean_up_tokenization_spaces=False)
-
-
-# ---------------------------------------------------------------- the command's config
-
-@dataclass
-class TokenizerConfig:
-    dataset_path: Optional[str] = doc("Local JSONL file, a folder of *.jsonl, or a Hub dataset id (streamed). "
-                                      "Required.")
-    revision: Optional[str] = doc("Hub revision (commit, tag or branch) of the dataset; pin it for a reproducible "
-                                  "tokenizer.")
-    split: str = doc("Split of a Hub dataset.", "train")
-    text_field: Optional[str] = doc("Field holding the text; unset: 'text', else 'content'.")
-    max_examples: Optional[int] = doc("Train on at most this many records; unset: all of them.")
-    vocab_size: int = doc("Vocabulary size, special tokens and the 256 byte tokens included.", 32768)
-    min_frequency: int = doc("A pair is merged only if it occurs at least this often.", 2)
-    special_tokens: list[str] = doc("Special tokens; the first is EOS (and BOS and UNK, as GPT-2's).",
-                                    factory=lambda: [EOS])
-    split_indentation: bool = doc("Make a line's leading spaces/tabs a piece of their own, so indentation runs "
-                                  "can become single tokens (for code). Text still round-trips exactly.", True)
-    code_language: Optional[str] = doc("For code: 'python' also reports whether its keywords and common "
-                                       "indentation runs are single tokens.")
-    heldout_size: int = doc(f"Records held out of training for the statistics (every {HELDOUT_STRIDE}th record, "
-                            f"up to this many); 0: no statistics.", 200)
-    output_dir: str = doc("Folder the tokenizer is saved to (save_pretrained).", "tokenizers/bpe")
-
-
-def validate_tokenizer_config(c: TokenizerConfig) -> TokenizerConfig:
-    if not c.dataset_path:
-        raise UserError("dataset_path: missing; set it in the config or as dataset_path=...")
-    checks = [
-        ("vocab_size", c.vocab_size >= 256 + len(c.special_tokens),
-         f"must be at least 256 + {len(c.special_tokens)} (the byte alphabet and the special tokens)"),
-        ("min_frequency", c.min_frequency >= 1, "must be at least 1"),
-        ("special_tokens", len(c.special_tokens) >= 1 and all(c.special_tokens),
-         "needs at least one non-empty token (the first is EOS)"),
-        ("code_language", c.code_language in (None, *CODE_KEYWORDS), f"must be one of {', '.join(CODE_KEYWORDS)}"),
-        ("heldout_size", c.heldout_size >= 0, "must be >= 0"),
-        ("max_examples", c.max_examples is None or c.max_examples >= 1, "must be at least 1 (or unset)"),
-    ]
-    for key, ok, message in checks:
-        if not ok:
-            raise UserError(f"{key}: {message}, got {getattr(c, key)!r}")
-    return c
 
 
 # ---------------------------------------------------------------- data
@@ -189,8 +144,6 @@ def tokenizer_stats(tokenizer, texts: list[str], code_language: Optional[str] = 
 
 def build_tokenizer(config: TokenizerConfig) -> tuple[PreTrainedTokenizerFast, Optional[TokenizerStats]]:
     """Train on the configured stream (held-out records excluded) and measure on the held-out records."""
-    from gpt4all_training.data.text import iter_texts
-
     held_out = HeldOut(config.heldout_size)
     texts = held_out.training_texts(iter_texts(config.dataset_path, config.revision, config.text_field,
                                                config.split))
@@ -206,27 +159,8 @@ def build_tokenizer(config: TokenizerConfig) -> tuple[PreTrainedTokenizerFast, O
     return tokenizer, stats
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="tokenizer config YAML (see configs/tokenizer/)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. vocab_size=8192")
-
-
-def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides, cls=TokenizerConfig, check=validate_tokenizer_config)
-    tokenizer, stats = build_tokenizer(config)
-    output_dir = Path(config.output_dir)
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, stats: Optional[TokenizerStats], output_dir: Path) -> None:
+    """`save_pretrained` into `output_dir`, with the statistics (when there are any) as tokenizer_stats.json."""
     tokenizer.save_pretrained(output_dir)
-    print(f"tokenizer: {tokenizer.vocab_size:,} tokens, saved to {output_dir} "
-          f"(load with AutoTokenizer.from_pretrained('{output_dir}'))")
-    if stats is None:
-        print("statistics: no held-out records (heldout_size: 0, or too little data)")
-        return 0
-    (output_dir / "tokenizer_stats.json").write_text(json.dumps(asdict(stats), indent=1), encoding="utf-8")
-    print(stats.describe())
-    return 0
-
-
-if __name__ == "__main__":
-    from gpt4all_training.cli.main import run_as_script
-
-    run_as_script("tokenizer")
+    if stats is not None:
+        (output_dir / "tokenizer_stats.json").write_text(json.dumps(asdict(stats), indent=1), encoding="utf-8")

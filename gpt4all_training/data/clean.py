@@ -8,7 +8,6 @@ prompter->assistant pair becomes a record). Each input line becomes kept records
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -160,7 +159,7 @@ def parse_line(raw: bytes, default_source: str) -> Iterator[dict[str, str] | Dro
         yield drop
 
 
-def normalise_ws(text: str) -> str:
+def normalize_whitespace(text: str) -> str:
     return " ".join(text.split())
 
 
@@ -172,6 +171,11 @@ def encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def is_text(value: Any) -> bool:
+    """A string that can be written as UTF-8 and tokenised."""
+    return isinstance(value, str) and encodable(value)
 
 
 def check_record(record: dict[str, str], filters: Filters, seen: set[tuple[str, str]]) -> str | None:
@@ -189,7 +193,7 @@ def check_record(record: dict[str, str], filters: Filters, seen: set[tuple[str, 
         return "ai_disclaimer"
     if filters.drop_refusals and REFUSAL.search(response):
         return "refusal"
-    key = (normalise_ws(prompt), normalise_ws(response))
+    key = (normalize_whitespace(prompt), normalize_whitespace(response))
     if key in seen:
         return "duplicate"
     seen.add(key)
@@ -264,26 +268,3 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
     tmp.write_text(json.dumps(report, indent=2), encoding="utf-8")
     os.replace(tmp, output_dir / "clean_report.json")
     return report
-
-
-def print_report(report: dict[str, Any]) -> None:
-    for name, entry in report["files"].items():
-        reasons = ", ".join(f"{k} {v}" for k, v in entry["dropped"].items()) or "none"
-        print(f"{name}: lines {entry['lines']}, read {entry['read']}, kept {entry['kept']}, "
-              f"dropped {entry['dropped_total']} ({reasons})")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", help="JSONL files or folders of them")
-    parser.add_argument("--output-dir", required=True, help="where <name>_clean.jsonl and clean_report.json go")
-    parser.add_argument("--drop-ai-disclaimers", action="store_true", help="drop responses that say they are an AI")
-    parser.add_argument("--drop-refusals", action="store_true", help="drop apology and refusal answers")
-    parser.add_argument("--min-response-chars", type=int, default=0, help="drop responses shorter than this")
-
-
-def run(args: argparse.Namespace) -> int:
-    filters = Filters(args.drop_ai_disclaimers, args.drop_refusals, args.min_response_chars)
-    report = clean(args.inputs, args.output_dir, filters)
-    print_report(report)
-    print(f"report: {Path(args.output_dir) / 'clean_report.json'}")
-    return 0

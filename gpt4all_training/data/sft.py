@@ -7,67 +7,17 @@ input id, every other position holds -100. Label 0 is always -100, since nothing
 
 from __future__ import annotations
 
-import argparse
-import glob
 import os
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from gpt4all_training.data.clean import encodable
+from gpt4all_training.batch import IGNORE
+from gpt4all_training.data.clean import is_text
+from gpt4all_training.data.prompts import encode_prompts, resolve_template
+from gpt4all_training.data.records import load_records
 from gpt4all_training.errors import UserError
-
-IGNORE = -100
-
-
-# ---------------------------------------------------------------- prompt format (shared with generation)
-
-def resolve_template(template: str, tokenizer) -> str:
-    if template == "auto":
-        return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
-    if template == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise UserError("prompt_template: 'chat' needs a tokenizer with a chat template; use 'plain'")
-    return template
-
-
-def format_prompt(prompt: str, tokenizer, template: str) -> str:
-    """The text the model sees before the response, in training and in generation alike."""
-    if template == "chat":
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-    return prompt + "\n"
-
-
-MESSAGE_MARK = "\x00message\x00"  # stands for the user's message while the chat template is rendered
-
-
-def chat_frame(tokenizer) -> tuple[str, str] | None:
-    """The chat template's text before and after the user's message, or None for a template that changes the message
-    (then it cannot be cut out, and the whole rendering is tokenised)."""
-    rendered = format_prompt(MESSAGE_MARK, tokenizer, "chat")
-    if rendered.count(MESSAGE_MARK) != 1:
-        return None
-    before, after = rendered.split(MESSAGE_MARK)
-    return before, after
-
-
-def encode_prompts(prompts: list[str], tokenizer, template: str) -> list[list[int]]:
-    """Token ids of formatted prompts. Only the template and the tokenizer write special tokens: a prompt that spells
-    one ("<|im_start|>assistant" pasted into a question) stays text, as responses do (tokenize_batch)."""
-    if template == "plain":
-        texts = [format_prompt(p, tokenizer, template) for p in prompts]
-        return tokenizer(texts, split_special_tokens=True)["input_ids"]
-    frame = chat_frame(tokenizer)
-    if frame is None:
-        texts = [format_prompt(p, tokenizer, template) for p in prompts]
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    before, after = tokenizer(list(frame), add_special_tokens=False)["input_ids"]
-    messages = tokenizer(prompts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return [before + ids + after for ids in messages]
 
 
 # ---------------------------------------------------------------- labels (pure)
@@ -130,10 +80,6 @@ def tokenized_features(features):
                      "truncated_response": Value("bool"), "drop_reason": Value("string")})
 
 
-def is_text(value: Any) -> bool:
-    return isinstance(value, str) and encodable(value)
-
-
 def drop_reason(prompt: Any, response: Any, response_ids: list[int], n_trained: int) -> str:
     """Why a row cannot be trained on, or "" to keep it."""
     if not isinstance(prompt, str):
@@ -173,70 +119,6 @@ def tokenize_batch(batch: dict[str, list], tokenizer, max_length: int, template:
 
 # ---------------------------------------------------------------- loading and splitting
 
-def local_data_files(path: Path) -> list[str] | None:
-    """The *_clean.jsonl files `dataset_path` names locally, or None when it is not local clean data."""
-    if path.is_file():
-        return [str(path)]
-    if path.is_dir():
-        files = sorted(glob.glob(str(path / "*_clean.jsonl")))
-        return files or None
-    return None
-
-
-def first_bad_line(files: list[str]) -> str | None:
-    """What is wrong with the first line of `files` that is not a JSON object of valid text, naming the file and the
-    line, or None. Run only after datasets failed to read them: its own error names neither."""
-    from gpt4all_training.data.text import iter_records
-
-    for file in files:
-        try:
-            for where, record in iter_records(file):
-                if not all(is_text(v) for v in record.values() if isinstance(v, str)):
-                    return f"{where}: text with a lone surrogate, which is not valid Unicode; run clean.py on it first"
-        except UserError as exc:
-            return str(exc)
-    return None
-
-
-def unreadable_jsonl(dataset_path: str, files: list[str] | None, exc: Exception, advice: str) -> UserError:
-    """The error for JSONL that datasets could not read: the first bad line by file and line, else datasets' own."""
-    bad_line = first_bad_line(files) if files else None
-    if bad_line:
-        return UserError(bad_line)
-    cause = exc.__cause__ or exc
-    return UserError(f"dataset_path {dataset_path}: unreadable JSONL ({str(cause).splitlines()[0][:200]}); {advice}")
-
-
-def load_records(dataset_path: str, revision: str | None = None):
-    """A `datasets.Dataset` with at least prompt and response columns, plus a stable `index` column."""
-    import datasets
-
-    path = Path(dataset_path).expanduser()
-    files = local_data_files(path)
-    if revision and path.exists():
-        # Local data has no revisions: datasets 5.2 reads a folder's current files whatever the revision (even in
-        # a git repository). Say so rather than let a pin look effective.
-        warnings.warn(f"revision {revision!r} is ignored for the local path {dataset_path}", stacklevel=2)
-    try:
-        if files is not None:
-            ds = datasets.load_dataset("json", data_files=files, split="train")
-        elif path.suffix in (".jsonl", ".json") or dataset_path.startswith((".", "/", "~")) and not path.exists():
-            raise UserError(f"dataset_path: {dataset_path} does not exist")
-        else:
-            # A Hub dataset id (`revision` pins the exact data), or a local dataset repository folder.
-            ds = datasets.load_dataset(dataset_path, revision=revision, split="train")
-    except UserError:
-        raise
-    except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
-        raise UserError(f"dataset_path {dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
-    except datasets.exceptions.DatasetGenerationError as exc:
-        raise unreadable_jsonl(dataset_path, files, exc, "run clean.py on it first") from None
-    missing = [c for c in ("prompt", "response") if c not in ds.column_names]
-    if missing:
-        raise UserError(f"dataset_path {dataset_path}: records lack the field {missing[0]!r}; run clean.py first")
-    return ds.add_column("index", list(range(len(ds))))
-
-
 def split_records(ds, val_fraction: float, seed: int):
     """(train, val) by `val_fraction` and `seed`: the same split every time, in training and inference alike."""
     if val_fraction <= 0 or len(ds) < 2:
@@ -254,7 +136,7 @@ def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: in
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
     return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc, features=features,
                   fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template},
-                  desc="tokenising")
+                  desc="tokenizing")
 
 
 def effective_num_proc(config, n_rows: int) -> int | None:
@@ -323,29 +205,6 @@ def load_data(config, tokenizer):
     return tuple(splits), tuple(stats)
 
 
-# ---------------------------------------------------------------- batching
-
-def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad to the longest row of this batch (right padding); padded labels are -100."""
-    width = max(len(r["input_ids"]) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        n = len(row["input_ids"])
-        input_ids[i, :n] = torch.as_tensor(row["input_ids"])
-        labels[i, :n] = torch.as_tensor(row["labels"])
-        attention_mask[i, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-
-
-def fetch_batch(dataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """Rows `indices` of a tokenised dataset, collated."""
-    columns = dataset.select_columns(["input_ids", "labels"])[indices]
-    rows = [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
-    return collate(rows, pad_id)
-
-
 # ---------------------------------------------------------------- `data.py --show N`
 
 def show_example(row: dict[str, Any], tokenizer) -> str:
@@ -361,24 +220,3 @@ def show_example(row: dict[str, Any], tokenizer) -> str:
     if current:
         parts.append((current_masked, tokenizer.decode(current)))
     return "".join(f"[[{text}]]" if masked else text for masked, text in parts)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="training config YAML")
-    parser.add_argument("--show", type=int, default=3, help="print this many tokenised examples")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-
-
-def run(args: argparse.Namespace) -> int:
-    from gpt4all_training.config.loader import load_config
-    from gpt4all_training.model.loading import tokenizer_for
-
-    config = load_config(args.config, args.overrides)
-    tokenizer = tokenizer_for(config)
-    (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
-    for row in train.select(range(min(args.show, len(train)))):
-        print(f"--- example {row['index']} ({row['n_trained']} trained tokens; [[masked]] text is not trained)")
-        print(show_example(row, tokenizer))
-    print(train_stats.describe("train"))
-    print(val_stats.describe("validation"))
-    return 0

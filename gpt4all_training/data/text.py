@@ -1,16 +1,14 @@
-"""Raw text for tokenizer training and pretraining (`objective: causal_lm`): records, rows, their order, the loss.
+"""Raw text for pretraining (`objective: causal_lm`): rows cut from the records, their statistics, the two row stores.
 
-Records. They are read one at a time (a local JSONL file line by line, a Hub dataset with `streaming=True`), so a
-corpus larger than memory is never loaded whole. A record's text is its `text_field`, or, when that is unset, its
-`text` or `content` field (CodeParrot's name). A bad record is a UserError naming the file and line.
+Records come from data/records.py, one at a time or as a whole dataset.
 
 Rows, as CodeParrot's ConstantLengthDataset made them: each training record's tokens plus EOS are joined into one
 sequence, cut into rows of exactly `max_length` tokens, with every token trained. Unlike CodeParrot:
 - the rows of each pass (epoch) go through a shuffle buffer of `shuffle_buffer` rows, seeded by (seed, epoch);
-- the position is a function of the optimiser step: step s trains global rows s*G .. s*G+G-1 (G = batch_size x
+- the position is a function of the optimizer step: step s trains global rows s*G .. s*G+G-1 (G = batch_size x
   processes x gradient_accumulation_steps) of the run's row sequence, each rank taking its share of every
-  micro-batch as StepSampler does. So resuming at step s is exact, and a global step holds the same rows for
-  every world size;
+  micro-batch (data/sampling.py, as for examples). So resuming at step s is exact, and a global step holds the same
+  rows for every world size;
 - what is dropped is counted: the tail of each pass (fewer than max_length tokens) and the rows of its last partial
   step, reported with the data's statistics.
 Validation holds out every round(1/val_fraction)-th record (never trained on), cut into rows the same way.
@@ -26,96 +24,22 @@ Two loaders give the same rows in the same order for the same seed:
 
 from __future__ import annotations
 
-import json
 import random
 from collections import deque
 from dataclasses import asdict, dataclass
 from itertools import count, islice
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
 
+from gpt4all_training.data.batching import row_labels
+from gpt4all_training.data.records import iter_texts, load_table, local_text_files, text_column
+from gpt4all_training.data.sampling import epoch_seed
+from gpt4all_training.data.sft import effective_num_proc
 from gpt4all_training.errors import UserError
 
 T = TypeVar("T")
-
-TEXT_FIELDS = ("text", "content")
-
-
-def local_text_files(dataset_path: str) -> Optional[list[Path]]:
-    """The JSONL files a local `dataset_path` names (a file, or a folder's *.jsonl sorted), or None if not local."""
-    path = Path(dataset_path).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(path.glob("*.jsonl"))
-        if not files:
-            raise UserError(f"dataset_path: no *.jsonl files in {path}")
-        return files
-    if path.suffix in (".jsonl", ".json") or dataset_path.startswith((".", "/", "~")):
-        raise UserError(f"dataset_path: {dataset_path} does not exist")
-    return None
-
-
-def iter_records(dataset_path: str, revision: Optional[str] = None, split: str = "train", start: int = 0
-                 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) pairs in stored order from record number `start` on (the ones before it are skipped without
-    being parsed); `where` is `file:line` or `dataset record N` for error messages."""
-    files = local_text_files(dataset_path)
-    if files is not None:
-        skip = start
-        for file in files:
-            with open(file, "rb") as f:
-                for number, raw in enumerate(f, start=1):
-                    if not raw.strip():
-                        continue
-                    if skip:
-                        skip -= 1
-                        continue
-                    try:
-                        record = json.loads(raw.decode("utf-8"))
-                    except UnicodeDecodeError:
-                        raise UserError(f"{file}:{number}: not UTF-8 text; re-encode the file as UTF-8") from None
-                    except json.JSONDecodeError as exc:
-                        raise UserError(f"{file}:{number}: not valid JSON ({exc.msg}); fix or remove the line") \
-                            from None
-                    if not isinstance(record, dict):
-                        raise UserError(f"{file}:{number}: expected a JSON object per line")
-                    yield f"{file}:{number}", record
-        return
-    import datasets
-
-    try:
-        stream = datasets.load_dataset(dataset_path, revision=revision, split=split, streaming=True)
-        for number, record in enumerate(stream.skip(start) if start else stream, start=start):
-            yield f"{dataset_path} record {number}", record
-    except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
-        raise UserError(f"dataset_path {dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
-
-
-def record_text(where: str, record: dict[str, Any], text_field: Optional[str]) -> str:
-    """The record's text: `text_field`, or the first of `text`/`content` when unset."""
-    names = (text_field,) if text_field else TEXT_FIELDS
-    for name in names:
-        if name in record:
-            value = record[name]
-            if value is None:
-                return ""  # a null text is an empty one, as a datasets column reads it
-            if not isinstance(value, str):
-                raise UserError(f"{where}: field {name!r} is {type(value).__name__}, not text")
-            return value
-    wanted = f"field {text_field!r}" if text_field else "a 'text' or 'content' field"
-    raise UserError(f"{where}: no {wanted} (fields: {', '.join(map(str, record)) or 'none'}); set text_field")
-
-
-def iter_texts(dataset_path: str, revision: Optional[str] = None, text_field: Optional[str] = None,
-               split: str = "train", start: int = 0) -> Iterator[str]:
-    """Every record's text from record `start` on, in stored order (empty texts included: callers decide what they
-    mean)."""
-    for where, record in iter_records(dataset_path, revision, split, start):
-        yield record_text(where, record, text_field)
 
 
 # ---------------------------------------------------------------- rows and their order (pure)
@@ -167,7 +91,7 @@ def buffer_shuffle(items: Iterable[T], size: int, rng: random.Random) -> Iterato
 
 
 def epoch_rng(seed: int, epoch: int) -> random.Random:
-    return random.Random(seed * 1_000_003 + epoch)
+    return random.Random(epoch_seed(seed, epoch))
 
 
 class RowCutter:
@@ -201,16 +125,6 @@ def joined_tokens(token_lists: Iterable[list[int]], eos_id: int) -> np.ndarray:
             pieces.append(np.asarray(ids, dtype=np.int32))
             pieces.append(np.asarray([eos_id], dtype=np.int32))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-
-
-def training_batch(rows: list[list[int]] | np.ndarray) -> dict[str, torch.Tensor]:
-    """Constant-length rows as a micro-batch: every token trained (label 0 is IGNORE, as data.py's convention)."""
-    from gpt4all_training.data.sft import IGNORE
-
-    input_ids = torch.as_tensor(np.asarray(rows, dtype=np.int64))
-    labels = input_ids.clone()
-    labels[:, 0] = IGNORE
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones_like(input_ids)}
 
 
 # ---------------------------------------------------------------- statistics
@@ -366,6 +280,16 @@ class StreamedRows:
         self.held = state["held"].tolist()
         self.ready, self.next_id = deque(), state["next_id"]
 
+    def read_pass(self) -> PretrainStats:
+        """The statistics of one whole pass, read from the start (rows are cut and counted, not kept); the position
+        is back at the run's first row afterwards. What `plan` counts a stream with."""
+        self.restart()
+        while self.cut_row() is not None:
+            self.cut.clear()
+        stats = self.pass_stats
+        self.restart()
+        return stats
+
     # --- producing rows: cut, shuffled, gathered into steps
 
     def cut_row(self) -> Optional[list[int]]:
@@ -455,78 +379,7 @@ def tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
-# ---------------------------------------------------------------- the sampler: step -> global row ids
-
-@dataclass(frozen=True)
-class RowSampler:
-    """StepSampler's interface over rows: step s trains the run's global rows s*G .. s*G+G-1.
-
-    Micro-batch j of the step is its j-th slice of batch_size x world_size rows; rank r takes the r-th batch_size
-    of it. So a global step holds the same rows for every world size, and the step is the whole position.
-    """
-
-    store: Any
-    batch_size: int
-    world_size: int = 1
-    rank: int = 0
-    grad_accum: int = 1
-    seed: int = 0
-    max_steps: Optional[int] = None
-    lengths = None  # rows are never grouped by length
-
-    def __post_init__(self) -> None:
-        steps = self.store.configure(self.examples_per_step)
-        if steps is None and not self.max_steps:
-            raise UserError("max_steps: streaming: true with objective causal_lm needs max_steps (a stream's length "
-                            "is unknown until it ends)")
-
-    @property
-    def examples_per_step(self) -> int:
-        return self.batch_size * self.world_size * self.grad_accum
-
-    @property
-    def n_examples(self) -> int:
-        """Rows per pass when the loader knows them up front; 0 for a stream (the same before and after a resume)."""
-        return 0 if self.store.streaming else len(self.store)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Steps per pass. A stream's passes are unknown in advance: there, the run (max_steps) counts as one."""
-        return self.store.stats.steps if not self.store.streaming else self.max_steps
-
-    def step_indices(self, step: int) -> list[list[int]]:
-        start = step * self.examples_per_step
-        micro = self.batch_size * self.world_size
-        return [list(range(start + j * micro + self.rank * self.batch_size,
-                           start + j * micro + (self.rank + 1) * self.batch_size)) for j in range(self.grad_accum)]
-
-    def data_state(self) -> Optional[dict[str, Any]]:
-        """A stream's position, which the step alone cannot give back without reading the stream again."""
-        return self.store.state_dict() if self.store.streaming else None
-
-    def load_data_state(self, state: dict[str, Any]) -> None:
-        self.store.load_state_dict(state)
-
-
-def fetch_rows(store, ids: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """The loop's `fetch(dataset, indices, pad_id)` for rows (which need no padding)."""
-    return training_batch(store.rows(ids))
-
-
 # ---------------------------------------------------------------- loading
-
-def text_column(ds, dataset_path: str, text_field: Optional[str]) -> str:
-    names = (text_field,) if text_field else TEXT_FIELDS
-    for name in names:
-        if name in ds.column_names:
-            dtype = getattr(ds.features[name], "dtype", None)
-            if dtype not in ("string", "large_string"):
-                raise UserError(f"dataset_path {dataset_path}: field {name!r} holds {dtype or 'non-text values'}, "
-                                f"not text; set text_field")
-            return name
-    wanted = f"field {text_field!r}" if text_field else "a 'text' or 'content' field"
-    raise UserError(f"dataset_path {dataset_path}: no {wanted} (fields: {', '.join(ds.column_names)}); set text_field")
-
 
 def _tokenize_records(batch, indices, tokenizer, column: str, val_every: int) -> dict[str, list]:
     texts = [t or "" for t in batch[column]]
@@ -535,26 +388,13 @@ def _tokenize_records(batch, indices, tokenizer, column: str, val_every: int) ->
 
 def tokenized_records(config, tokenizer, val_every: int):
     """`streaming: false`: every record tokenised by datasets.map (cached, parallel), in stored order."""
-    import datasets
-
-    from gpt4all_training.data.sft import effective_num_proc, unreadable_jsonl
-
     files = local_text_files(config.dataset_path)
-    try:
-        if files is not None:
-            ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
-        else:
-            ds = datasets.load_dataset(config.dataset_path, revision=config.revision, split="train")
-    except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
-        raise UserError(f"dataset_path {config.dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})") \
-            from None
-    except datasets.exceptions.DatasetGenerationError as exc:
-        raise unreadable_jsonl(config.dataset_path, [str(f) for f in files or []], exc, "fix or remove the line") \
-            from None
+    ds = load_table(config.dataset_path, config.revision, None if files is None else [str(f) for f in files],
+                    "fix or remove the line")
     column = text_column(ds, config.dataset_path, config.text_field)
     return ds.map(_tokenize_records, batched=True, batch_size=TOKENIZE_BATCH, with_indices=True,
                   remove_columns=ds.column_names, num_proc=effective_num_proc(config, len(ds)),
-                  fn_kwargs={"tokenizer": tokenizer, "column": column, "val_every": val_every}, desc="tokenising")
+                  fn_kwargs={"tokenizer": tokenizer, "column": column, "val_every": val_every}, desc="tokenizing")
 
 
 def validation_rows(token_lists: Iterable[list[int]], max_length: int, eos_id: int, limit: int) -> list[list[int]]:
@@ -569,9 +409,7 @@ def validation_rows(token_lists: Iterable[list[int]], max_length: int, eos_id: i
 def validation_dataset(rows: list[list[int]]):
     import datasets
 
-    from gpt4all_training.data.sft import IGNORE
-
-    labels = [[IGNORE, *row[1:]] for row in rows]
+    labels = [row_labels(row) for row in rows]
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                   "labels": datasets.List(datasets.Value("int64"))})
     return datasets.Dataset.from_dict({"input_ids": rows, "labels": labels}, features=features)
@@ -581,13 +419,12 @@ def validation_dataset(rows: list[list[int]]):
 MAX_VALIDATION_ROWS = 1024
 
 
-def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print):
-    """Same shape as data.load_data: ((train rows, validation dataset), (train stats, validation stats))."""
-    from gpt4all_training.backends.accelerate import launched_world_size
-
+def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print, *, world_size: int):
+    """Same shape as sft.load_data: ((train rows, validation dataset), (train stats, validation stats)).
+    `world_size` is the number of processes training runs on."""
     val_every = validation_stride(config.val_fraction)
     # evaluate_loss reads at most eval_steps global batches of batch_size x processes rows.
-    limit = config.eval_steps * config.batch_size * launched_world_size() if config.eval_steps else MAX_VALIDATION_ROWS
+    limit = config.eval_steps * config.batch_size * world_size if config.eval_steps else MAX_VALIDATION_ROWS
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UserError("tokenizer_name: the tokenizer has no EOS token to join texts with; use one that has")
@@ -615,61 +452,3 @@ def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print):
         val = validation_rows(held_lists, config.max_length, eos, limit)
     val_stats.rows, val_stats.tokens = len(val), len(val) * config.max_length
     return (store, validation_dataset(val)), (train_stats, val_stats)
-
-
-# ---------------------------------------------------------------- the loss (z-loss, last-position loss)
-
-class CausalLMLoss:
-    """The loop's `loss_fn(model, batch)`: the sum of next-token NLL over trained positions, like
-    loss.token_loss_sum, plus `z_loss` x the sum of log(Z)^2 (mesh-transformer-jax's auxiliary loss, which keeps
-    the softmax normaliser near 1). The loop divides by the step's trained tokens, so the z-term is a mean too.
-
-    It also keeps, as metrics, the loss at the final position of each row (`train/last_loss`, the prediction with
-    the most context) and the z-term (`train/z_loss`), summed over the steps since they were last read. Both terms
-    go through the chunked head of loss.py, so only each row's last logits are built whole besides.
-    """
-
-    def __init__(self, z_loss: float = 0.0) -> None:
-        self.z_loss = z_loss
-        self.window = torch.zeros(4, dtype=torch.float64)  # last-loss sum, rows, log(Z)^2 sum, trained positions
-
-    def __call__(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        from gpt4all_training.data.sft import IGNORE
-        from gpt4all_training.training.loss import chunked_loss_and_z, head_removed, model_inputs, output_head
-
-        targets = batch["labels"][:, 1:]
-        found = output_head(model)
-        if found is None:
-            hidden, head = None, None
-            logits_all = model(**model_inputs(batch)).logits[:, :-1].float()
-        else:
-            parent, name, head = found
-            with head_removed(parent, name):
-                hidden = model(**model_inputs(batch)).logits[:, :-1]
-        targets = targets.to((hidden if hidden is not None else logits_all).device)
-        trained = targets != IGNORE
-        if hidden is not None:
-            loss, z_sum = chunked_loss_and_z(hidden[trained], head, targets[trained], self.z_loss)
-        else:
-            logits = logits_all[trained]
-            lse = torch.logsumexp(logits, dim=-1)
-            z_sum = (lse * lse).sum()
-            loss = (lse - logits.gather(1, targets[trained][:, None]).squeeze(1)).sum() + self.z_loss * z_sum
-        with torch.no_grad():
-            last = (head(hidden[:, -1]).float() if hidden is not None else logits_all[:, -1])
-            last_targets = targets[:, -1]
-            last_sum = F.cross_entropy(last, last_targets, ignore_index=IGNORE, reduction="sum")
-            self.window += torch.stack([last_sum.double().cpu(), (last_targets != IGNORE).sum().double().cpu(),
-                                        z_sum.detach().double().cpu(), trained.sum().double().cpu()])
-        return loss
-
-    def window_metrics(self, accelerator) -> dict[str, float]:
-        """The metrics since the last call, over all ranks (a collective: every rank calls it), then reset."""
-        totals = accelerator.reduce(self.window.to(accelerator.device), reduction="sum").cpu()
-        self.window.zero_()
-        metrics = {"train/last_loss": (totals[0] / totals[1]).item() if totals[1] else float("nan")}
-        if self.z_loss:
-            metrics["train/z_loss"] = (self.z_loss * totals[2] / totals[3]).item() if totals[3] else float("nan")
-        return metrics

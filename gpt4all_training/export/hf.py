@@ -13,11 +13,9 @@ is cast to the export dtype. Merging into already-rounded bf16 or quantised weig
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -26,6 +24,10 @@ import torch
 import yaml
 
 from gpt4all_training.errors import UserError
+from gpt4all_training.export.gguf import TENSOR_TYPES, check_architecture, read_gguf_strings, write_gguf
+from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
+from gpt4all_training.tracking.tracker import read_metrics
+from gpt4all_training.training.checkpoint import check_deepspeed_files
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_DTYPE = {"hf": "bf16", "gguf": "q8_0"}
@@ -105,10 +107,7 @@ def final_losses(metrics_path: Path) -> tuple[dict[str, float], int | None]:
     """The last logged value of every `*loss*` metric (train and validation are logged at different steps)."""
     losses: dict[str, float] = {}
     last_step = None
-    for line in metrics_path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in read_metrics(metrics_path):
         for key, value in row.items():
             if "loss" in key and isinstance(value, (int, float)):
                 losses[key] = float(value)
@@ -142,8 +141,6 @@ def consolidate_zero_checkpoint(checkpoint_dir: Path, tag: str) -> dict[str, tor
     """fp32 weights gathered from every rank's ZeRO-2/3 partition, once the files are checked to hold no code."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from gpt4all_training.training.checkpoint import check_deepspeed_files
-
     check_deepspeed_files(checkpoint_dir / tag)
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
@@ -172,7 +169,6 @@ def run_base(run_config: dict[str, Any]) -> str | None:
 
 def default_base(model_dir: Path, run_config: dict[str, Any]) -> str | None:
     """The base the run fine-tuned: as the adapter recorded it, else the run config's model_name."""
-    from gpt4all_training.model.loading import adapter_base, is_adapter_folder
 
     if is_adapter_folder(str(model_dir)):
         if not (name := adapter_base(str(model_dir))):
@@ -186,8 +182,6 @@ def merge_adapter(base_name: str, adapter_dir: Path):
     """Load the base in fp32, apply the adapter in fp32, and fold it into the weights."""
     from peft import PeftModel
 
-    from gpt4all_training.model.loading import load_model
-
     base_model = load_model(base_name, dtype=torch.float32)
     return PeftModel.from_pretrained(base_model, str(adapter_dir)).merge_and_unload()
 
@@ -197,8 +191,6 @@ def model_from_state_dict(state_dict: dict[str, torch.Tensor], model_dir: Path, 
     """Put consolidated ZeRO weights into a model: the architecture from `model_dir/config.json` or the base; a
     PEFT state dict (keys `base_model.model.*`) gets its adapter rebuilt from adapter_config.json, then merged."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from gpt4all_training.model.loading import load_model
 
     is_peft = any(key.startswith("base_model.model.") for key in state_dict)
     if (model_dir / "config.json").is_file() and not is_peft:
@@ -237,7 +229,6 @@ def base_license(base_name: str | None) -> dict[str, str]:
         return {}
     path = Path(base_name)
     if path.suffix == ".gguf" and path.is_file():
-        from gpt4all_training.export.gguf import read_gguf_strings
 
         keys = {"general.license": "license", "general.license.name": "license_name",
                 "general.license.link": "license_link"}
@@ -253,7 +244,6 @@ def base_license(base_name: str | None) -> dict[str, str]:
 
 def load_source(source: str, base: str | None = None) -> ExportSource:
     """Everything the writers need: an fp32 model with LoRA merged, its tokenizer and what the run recorded."""
-    from gpt4all_training.model.loading import is_adapter_folder, load_model, load_tokenizer
 
     path = Path(source)
     if not path.exists():
@@ -290,8 +280,6 @@ def load_source(source: str, base: str | None = None) -> ExportSource:
 def local_config(source: Path, base: str | None):
     """The model config when it is on disk next to the input (the model's own, or its adapter's base)."""
     from transformers import AutoConfig
-
-    from gpt4all_training.model.loading import adapter_base, is_adapter_folder
 
     model_dir = source / "model" if (source / "model").is_dir() else source
     candidates = [base, str(model_dir)]
@@ -342,7 +330,6 @@ def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str
 
 
 def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> None:
-    from gpt4all_training.export.gguf import TENSOR_TYPES, read_gguf_strings, write_gguf
 
     base_pre = None
     if source.base_gguf:
@@ -379,7 +366,6 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
     out = Path(to)
     check_output_folder(out)  # before the slow load
     if fmt == "gguf":
-        from gpt4all_training.export.gguf import check_architecture
 
         if (config := local_config(Path(source), base)) is not None:
             check_architecture(config)  # refuse before loading weights
@@ -396,35 +382,3 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
 
     write_folder_atomically(out, fill)
     return sorted(out.iterdir())
-
-
-# ---------------------------------------------------------------- command line
-
-
-def shard_size(text: str) -> str:
-    if not re.fullmatch(r"\d+(\.\d+)?\s*[KMG]i?B", text, flags=re.IGNORECASE):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 500MB or 2GB")
-    return text
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--from", dest="source", required=True,
-                        help="a step_N/ checkpoint, final/, an adapter folder, a model folder or a .gguf file")
-    parser.add_argument("--to", required=True, help="output folder (created; must not hold files)")
-    parser.add_argument("--format", choices=("hf", "gguf"), required=True,
-                        help="hf: safetensors folder for transformers; gguf: one file for llama.cpp and GPT4All")
-    parser.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0"),
-                        help="weight type; default bf16 for hf, q8_0 for gguf (q8_0 is gguf only)")
-    parser.add_argument("--base", help="base model for an adapter, overriding adapter_config.json (folder, Hub id "
-                                       "or .gguf file)")
-    parser.add_argument("--max-shard-size", type=shard_size, default="2GB",
-                        help="hf: split weights into files of at most this size (default 2GB)")
-
-
-def run(args: argparse.Namespace) -> int:
-    started = time.perf_counter()
-    files = export(args.source, args.to, args.format, args.dtype, args.base, args.max_shard_size)
-    for path in files:
-        print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
-    print(f"exported {args.source} as {args.format} in {time.perf_counter() - started:.1f} s")
-    return 0

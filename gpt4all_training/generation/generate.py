@@ -13,69 +13,18 @@ contains a stop string, and never adds tokens to the tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from gpt4all_training.config.loader import DTYPES, doc, load_config
-from gpt4all_training.data.sft import encode_prompts, resolve_template
+from gpt4all_training.config.schemas import GenerateConfig
+from gpt4all_training.data.batching import collate
+from gpt4all_training.data.prompts import encode_prompts, resolve_template
 from gpt4all_training.errors import UserError
-
-
-@dataclass
-class GenerateConfig:
-    # --- model ---
-    model_name: Optional[str] = doc("A trained model: final/, final/merged/, step_N/model (full model or LoRA "
-                                    "adapter), a Hub id, or a .gguf file. Required.")
-    tokenizer_name: Optional[str] = doc("Tokenizer to load; defaults to model_name.")
-    gguf_file: Optional[str] = doc("GGUF file name inside the model_name folder, when the weights are GGUF.")
-    model_revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the model.")
-    trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
-    dtype: str = doc("Weights and compute precision: float32, bfloat16 or float16.", "float32")
-    prompt_template: str = doc("The training prompt_template: 'plain', 'chat' or 'auto'.", "auto")
-    # --- sampling ---
-    max_new_tokens: int = doc("Most tokens generated per prompt (EOS and stop strings end it sooner).", 256)
-    temperature: float = doc("Divides the logits; 0 means greedy (argmax).", 0.7)
-    top_p: float = doc("Nucleus sampling: keep the most likely tokens whose probabilities sum to top_p; 1 keeps all.",
-                       0.95)
-    top_k: int = doc("Keep only the k most likely tokens; 0 keeps all.", 0)
-    repetition_penalty: float = doc("CTRL's penalty on tokens already in the prompt or output; 1 disables it.", 1.0)
-    stop: list[str] = doc("Stop a response once it contains any of these strings (they are cut off).",
-                          factory=list)
-    seed: int = doc("Seed of the sampling generator: the same seed and prompts give the same text.", 0)
-    batch_size: int = doc("Prompts generated together (left-padded).", 8)
-    # --- input ---
-    prompt: Optional[str] = doc("One prompt to answer (or pass --prompt).")
-    prompts_file: Optional[str] = doc("A file of prompts: one per line, or JSONL with a 'prompt' field "
-                                      "(or pass --prompts-file). Output is JSONL.")
-
-
-def validate_generate(config: GenerateConfig) -> GenerateConfig:
-    c = config
-    if not c.model_name:
-        raise UserError("model_name: missing; set it in the config or on the command line as model_name=...")
-    checks = [
-        ("max_new_tokens", c.max_new_tokens >= 1, "must be at least 1"),
-        ("temperature", c.temperature >= 0, "must be >= 0 (0 is greedy)"),
-        ("top_p", 0 < c.top_p <= 1, "must be in (0, 1]"),
-        ("top_k", c.top_k >= 0, "must be >= 0 (0 keeps all)"),
-        ("repetition_penalty", c.repetition_penalty > 0, "must be > 0 (1 disables it)"),
-        ("batch_size", c.batch_size >= 1, "must be at least 1"),
-        ("dtype", c.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
-        ("prompt_template", c.prompt_template in ("auto", "plain", "chat"), "must be auto, plain or chat"),
-        ("prompts_file", not (c.prompt and c.prompts_file), "give either prompt or prompts_file, not both"),
-    ]
-    for key, ok, message in checks:
-        if not ok:
-            raise UserError(f"{key}: {message}, got {getattr(c, key)!r}")
-    if any(not s for s in c.stop):
-        raise UserError("stop: empty stop strings would end every response at once; remove them")
-    return c
+from gpt4all_training.model.loading import load_model, tokenizer_for
 
 
 # ---------------------------------------------------------------- sampling (pure)
@@ -129,17 +78,6 @@ def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
 
 # ---------------------------------------------------------------- the loop
 
-def left_pad(prompt_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for row, ids in enumerate(prompt_ids):
-        if ids:
-            input_ids[row, width - len(ids):] = torch.as_tensor(ids)
-            mask[row, width - len(ids):] = 1
-    return input_ids.to(device), mask.to(device)
-
-
 @torch.inference_mode()
 def generate_ids(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: set[int], max_new_tokens: int,
                  sampling: Sampling, generator: Optional[torch.Generator] = None, vocab_size: Optional[int] = None,
@@ -152,7 +90,8 @@ def generate_ids(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: set[i
     if any(not ids for ids in prompt_ids):
         raise UserError("prompt: an empty prompt has no tokens to condition on")
     device = next(model.parameters()).device
-    input_ids, mask = left_pad(prompt_ids, pad_id, device)
+    batch = collate([{"input_ids": ids} for ids in prompt_ids], pad_id, padding_side="left")
+    input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     # Positions count real tokens only, so a left-padded row sees the same positions as it would alone.
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
@@ -222,7 +161,7 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str, max_new_
     return texts
 
 
-# ---------------------------------------------------------------- command line
+# ---------------------------------------------------------------- prompts in, a loaded model
 
 def read_prompts_file(path: str) -> list[str]:
     """One prompt per non-empty line; a .jsonl/.json file has one object with a string 'prompt' per line."""
@@ -249,23 +188,8 @@ def read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="generation config YAML (configs/generate/*.yaml)")
-    parser.add_argument("--prompt", help="one prompt to answer")
-    parser.add_argument("--prompts-file", help="prompts, one per line or JSONL with 'prompt'; prints JSONL")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-
-
-def run(args: argparse.Namespace) -> int:
-    from gpt4all_training.model.loading import load_model, tokenizer_for
-
-    config = load_config(args.config, args.overrides, cls=GenerateConfig, check=None)
-    if args.prompt is not None:
-        config.prompt, config.prompts_file = args.prompt, None
-    if args.prompts_file is not None:
-        config.prompts_file, config.prompt = args.prompts_file, None
-    validate_generate(config)
-    prompts = read_prompts_file(config.prompts_file) if config.prompts_file else None
+def load_generator(config: GenerateConfig) -> Callable[[list[str]], list[str]]:
+    """Load the model and tokenizer `config` names (on the GPU when there is one); return prompts -> responses."""
     tokenizer = tokenizer_for(config)
     model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                        dtype=getattr(torch, config.dtype))
@@ -276,23 +200,4 @@ def run(args: argparse.Namespace) -> int:
                               config.temperature, config.top_p, config.top_k, config.repetition_penalty,
                               config.stop, config.seed, config.batch_size)
 
-    if config.prompt is not None:
-        print(answer([config.prompt])[0])
-    elif prompts is not None:
-        for prompt, response in zip(prompts, answer(prompts)):
-            print(json.dumps({"prompt": prompt, "response": response}, ensure_ascii=False))
-    else:
-        interactive(answer)
-    return 0
-
-
-def interactive(answer: Callable[[list[str]], list[str]]) -> None:
-    """Answer standard input line by line; a terminal gets a '> ' prompt, a pipe does not."""
-    tty = sys.stdin.isatty()
-    while True:
-        try:
-            line = input("> " if tty else "")
-        except EOFError:
-            break
-        if line.strip():
-            print(answer([line.strip()])[0], flush=True)
+    return answer

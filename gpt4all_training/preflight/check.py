@@ -10,7 +10,6 @@ memory. Exit code 0 when everything passes, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib
@@ -22,13 +21,27 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
+from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.loader import load_config
 from gpt4all_training.errors import TrainingError, UserError
+from gpt4all_training.model.from_config import resolve_model_config
+from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source, tokenizer_for
+from gpt4all_training.preflight.plan import (
+    checkpoint_bytes,
+    existing_parent,
+    memory_per_gpu,
+    model_config_of,
+    model_shape,
+    size,
+)
+from gpt4all_training.tracking.tracker import read_metrics
+from gpt4all_training.training.loop import train
+from gpt4all_training.training.objectives import RecordScan, objective_for
 
 GIB = 2**30
 TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard"}
-FINETUNE_FIELDS = ("prompt", "response")
 DRY_RUN_EXAMPLES = 2
 # Records of a streamed causal_lm dataset that are checked.
 STREAM_CHECK_RECORDS = 10_000
@@ -63,8 +76,6 @@ def first_line(exc: BaseException) -> str:
 
 def check_config(path: Optional[str], overrides: list[str]) -> tuple[Any, list[Outcome]]:
     """The config, typed; validation failures are reported but the other checks still run on it."""
-    from gpt4all_training.config.loader import load_config, validate
-
     try:
         config = load_config(path, overrides, check=None)
     except UserError as exc:
@@ -78,81 +89,24 @@ def check_config(path: Optional[str], overrides: list[str]) -> tuple[Any, list[O
 
 # ---------------------------------------------------------------- dataset
 
-def is_pretraining(config) -> bool:
-    return getattr(config, "objective", "sft") == "causal_lm"
-
-
-def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, record) of prompt/response data: local *_clean.jsonl line by line, or a Hub dataset's rows."""
-    from gpt4all_training.data.sft import load_records, local_data_files
-    from gpt4all_training.data.text import iter_records
-
-    path = Path(dataset_path).expanduser()
-    files = local_data_files(path)
-    if path.is_dir() and files is None:
-        raise UserError(f"dataset_path {dataset_path}: no *_clean.jsonl files in the folder; run clean.py on the raw "
-                        f"data first")
-    if files is not None:
-        for file in files:
-            yield from iter_records(file)
-        return
-    for number, record in enumerate(load_records(dataset_path)):  # a Hub id (raises a one-line UserError)
-        yield f"{dataset_path} record {number}", record
-
-
-def record_problem(record: dict[str, Any], fields: tuple[str, ...]) -> Optional[str]:
-    for name in fields:
-        if name not in record:
-            present = ", ".join(map(str, record)) or "none"
-            return f"no {name!r} field (fields: {present}); run clean.py on the raw data first"
-        if not isinstance(record[name], str):
-            return f"field {name!r} is {type(record[name]).__name__}, not text"
-    return None
-
-
-def check_dataset(config) -> tuple[Outcome, list[dict[str, Any]]]:
-    """Every record has the fields training reads; returns the records for the dry run: the first
-    DRY_RUN_EXAMPLES examples, or for causal_lm the first records with text enough for two rows or more."""
-    from gpt4all_training.data.text import iter_records, record_text
-
+def check_dataset(config, objective) -> tuple[Outcome, RecordScan | None]:
+    """Every record has the fields training reads; returns what the objective read, with the sample for the dry
+    run: the first DRY_RUN_EXAMPLES examples, or for causal_lm the first records with text enough for two rows or
+    more."""
     if not config.dataset_path:
-        return failed("dataset", "dataset_path is not set"), []
-    sample: list[dict[str, Any]] = []
-    count = 0
+        return failed("dataset", "dataset_path is not set"), None
     try:
-        if is_pretraining(config):
-            text_field, chars = config.text_field, 0
-            for where, record in iter_records(config.dataset_path, config.revision):
-                text = record_text(where, record, text_field)
-                count += 1
-                if chars < DRY_RUN_TEXT_FACTOR * config.max_length and text:
-                    sample.append({"text": text})
-                    chars += len(text)
-                if config.streaming and count == STREAM_CHECK_RECORDS:
-                    break  # a stream may be larger than any check should read
-            fields = text_field or "text/content"
-            if config.streaming and count == STREAM_CHECK_RECORDS:
-                fields += f" (the first {count:,} of the stream checked)"
-        else:
-            for where, record in finetune_records(config.dataset_path):
-                problem = record_problem(record, FINETUNE_FIELDS)
-                if problem:
-                    return failed("dataset", f"{where}: {problem}"), []
-                count += 1
-                if len(sample) < DRY_RUN_EXAMPLES and record["response"]:
-                    sample.append({"prompt": record["prompt"], "response": record["response"], "source": "check"})
-            fields = "prompt, response"
+        scan = objective.scan_records(config, DRY_RUN_EXAMPLES, DRY_RUN_TEXT_FACTOR, STREAM_CHECK_RECORDS)
     except UserError as exc:
-        return failed("dataset", str(exc)), []
-    if count == 0:
-        return failed("dataset", f"dataset_path {config.dataset_path}: no records"), []
-    return passed("dataset", f"{config.dataset_path}: {count:,} records, all with {fields}"), sample
+        return failed("dataset", str(exc)), None
+    if scan.count == 0:
+        return failed("dataset", f"dataset_path {config.dataset_path}: no records"), None
+    return passed("dataset", f"{config.dataset_path}: {scan.count:,} records, all with {scan.fields}"), scan
 
 
 # ---------------------------------------------------------------- model and tokenizer
 
 def check_model_name(config) -> Outcome:
-    from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source
 
     name = config.model_name
     if is_adapter_folder(name):
@@ -241,7 +195,6 @@ def memory_problem(config, estimate, available: float, where: str) -> Optional[s
 
 
 def check_memory(config, shape) -> Outcome:
-    from gpt4all_training.preflight.plan import memory_per_gpu, size
 
     estimates = memory_per_gpu(shape, config.batch_size, config.max_length, config.dtype, 1,
                                config.gradient_checkpointing)
@@ -257,7 +210,6 @@ def check_memory(config, shape) -> Outcome:
 
 def writable_folder(path: Path) -> Optional[str]:
     """None if a file can be created where `path` is (or would be created), else why not."""
-    from gpt4all_training.preflight.plan import existing_parent
 
     existing = existing_parent(path)
     try:
@@ -269,7 +221,6 @@ def writable_folder(path: Path) -> Optional[str]:
 
 
 def room_problem(free: float, needed: float) -> Optional[str]:
-    from gpt4all_training.preflight.plan import size
 
     if free < needed:
         return (f"{size(free)} free but one checkpoint needs about {size(needed)} (fp32 weights and "
@@ -278,7 +229,6 @@ def room_problem(free: float, needed: float) -> Optional[str]:
 
 
 def check_output_dir(config, shape) -> Outcome:
-    from gpt4all_training.preflight.plan import checkpoint_bytes, existing_parent, size
 
     path = Path(config.output_dir)
     problem = writable_folder(path)
@@ -313,11 +263,9 @@ def check_trackers(config) -> list[Outcome]:
 
 # ---------------------------------------------------------------- the dry run
 
-def dry_run_config(config, data_dir: Path, output_dir: Path):
+def dry_run_config(config, objective, data_dir: Path, output_dir: Path):
     """The config on DRY_RUN_EXAMPLES examples for DRY_RUN_STEPS steps: no evaluation, saves, trackers or Hub."""
-    from gpt4all_training.config.loader import validate
-
-    data_file = data_dir / ("check.jsonl" if is_pretraining(config) else "check_clean.jsonl")
+    data_file = data_dir / objective.dry_run_file
     changes = dict(dataset_path=str(data_file), revision=None, output_dir=str(output_dir), max_steps=DRY_RUN_STEPS,
                    num_epochs=DRY_RUN_STEPS, batch_size=1, gradient_accumulation_steps=1, val_fraction=0.0,
                    eval_every=None, save_every=None, report_to=["jsonl"], wandb=False, push_to_hub=False,
@@ -325,16 +273,14 @@ def dry_run_config(config, data_dir: Path, output_dir: Path):
     return validate(dataclasses.replace(config, **changes)), data_file
 
 
-def dry_run(config, sample: list[dict[str, Any]]) -> Outcome:
-    from gpt4all_training.tracking.tracker import read_metrics
-    from gpt4all_training.training.loop import train
-
-    if len(sample) < (1 if is_pretraining(config) else DRY_RUN_EXAMPLES):
+def dry_run(config, objective, scan: RecordScan) -> Outcome:
+    sample = scan.sample
+    if len(sample) < scan.min_sample:
         return failed("dry run", f"needs {DRY_RUN_EXAMPLES} records with text; the dataset has {len(sample)}")
     with tempfile.TemporaryDirectory(prefix="gpt4all-check-") as tmp:
         log = io.StringIO()  # train()'s own output; the outcome line says what matters
         try:
-            dry, data_file = dry_run_config(config, Path(tmp), Path(tmp) / "out")
+            dry, data_file = dry_run_config(config, objective, Path(tmp), Path(tmp) / "out")
             data_file.write_text("".join(json.dumps(r) + "\n" for r in sample), encoding="utf-8")
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 summary = train(dry)
@@ -348,9 +294,8 @@ def dry_run(config, sample: list[dict[str, Any]]) -> Outcome:
     if "peak_gpu_mb" in summary:
         memory += f", peak GPU {summary['peak_gpu_mb']:,.0f} MiB"
     losses = " -> ".join(f"{r['loss']:.4f}" for r in rows)
-    what = f"{summary['train_examples']} rows" if is_pretraining(config) else f"{len(sample)} examples"
-    return passed("dry run", f"{summary['steps']} steps on {what} passed (loss {losses}); "
-                             f"{speed:,.0f} tokens/s at batch 1, {memory}")
+    return passed("dry run", f"{summary['steps']} steps on {objective.dry_run_size(summary, sample)} passed "
+                             f"(loss {losses}); {speed:,.0f} tokens/s at batch 1, {memory}")
 
 
 # ---------------------------------------------------------------- all of it
@@ -368,7 +313,8 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
     record(*config_outcomes)
     if config is None:
         return outcomes
-    dataset_outcome, sample = check_dataset(config)
+    objective = objective_for(config)
+    dataset_outcome, scan = check_dataset(config, objective)
     record(dataset_outcome)
     shape = None
     if config.init == "from_config":
@@ -380,15 +326,13 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
     record(check_output_dir(config, shape))
     record(*check_trackers(config))
     if all(o.ok for o in outcomes):
-        record(dry_run(config, sample))
+        record(dry_run(config, objective, scan))
     return outcomes
 
 
 def model_checks(config, record):
     """Tokenizer and memory checks (and for init from_config, the config the model is built from); returns the
     model's shape (for the checkpoint size) or None."""
-    from gpt4all_training.model.loading import resolve_model_config, tokenizer_for
-    from gpt4all_training.preflight.plan import model_config_of, model_shape
 
     from_scratch = config.init == "from_config"
     try:
@@ -410,15 +354,3 @@ def model_checks(config, record):
     if config.batch_size >= 1 and config.max_length >= 1:
         record(check_memory(config, shape))
     return shape
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="training config YAML")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-
-
-def run(args: argparse.Namespace) -> int:
-    outcomes = run_checks(args.config, args.overrides, report=lambda line: print(line, flush=True))
-    failures = sum(not o.ok for o in outcomes)
-    print(f"{len(outcomes) - failures} passed, {failures} failed" if failures else f"all {len(outcomes)} checks passed")
-    return 1 if failures else 0

@@ -1,9 +1,9 @@
 """`gpt4all-training plan --config c.yaml [--gpus N] [--tokens-per-second X]`: the arithmetic of a run, before it.
 
-Everything is computed from the config and the actual tokenised data, by the functions the training loop uses:
-`load_data` for the splits, `StepSampler` for the order and the steps per epoch, `total_optimizer_steps` for the
-run's length, `learning_rate` for the schedule and `pack_rows` for packing. So the planned steps, examples and
-trained tokens are the ones `train.py` then takes, for any number of processes.
+Everything is computed from the config and the actual tokenised data, by what the training loop uses: the
+objective's data and sampler (training/objectives.py), `total_optimizer_steps` for the run's length,
+`learning_rate` for the schedule and `pack_rows` for packing (training/counts.py). So the planned steps, examples
+and trained tokens are the ones `train.py` then takes, for any number of processes.
 
 Memory is an estimate: exact bytes per parameter for weights, gradients and Adam states, and a published
 approximation for activations (the formulas are printed with the numbers).
@@ -11,7 +11,6 @@ approximation for activations (the formulas are printed with the numbers).
 
 from __future__ import annotations
 
-import argparse
 import math
 import shutil
 import statistics
@@ -20,9 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
+from gpt4all_training.backends.accelerate import launched_world_size
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.from_config import resolve_model_config
+from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source, tokenizer_for
+from gpt4all_training.model.lora import apply_lora
+from gpt4all_training.model.parameters import count_parameters
+from gpt4all_training.tracking.tracker import read_metrics
+from gpt4all_training.training.counts import DataPlan, TokenCounts
+from gpt4all_training.training.loss import CHUNK_ELEMENTS
+from gpt4all_training.training.objectives import objective_for
+from gpt4all_training.training.schedule import learning_rate, total_optimizer_steps
 
 GIB = 2**30
 
@@ -31,8 +38,6 @@ def size(n_bytes: float) -> str:
     """Bytes for people: GiB from 1 GiB up, MiB below (tiny models would all read 0.00 GiB)."""
     return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB else f"{n_bytes / 2**20:.1f} MiB"
 
-# Packing is simulated micro-batch by micro-batch (first-fit decreasing in Python); beyond this many, a prefix.
-PACKING_SAMPLE = 50_000
 MEMORY_FORMULAS = (
     "memory per GPU = weights + gradients + Adam states + activations (bytes per parameter P, trainable T, N GPUs):\n"
     "  full (DDP): 4P + 4P + 8P (fp32 master weights; autocast's bf16/fp16 copies are transient)\n"
@@ -61,8 +66,6 @@ def model_config_of(config):
     """The transformers config of the run's model, without its weights."""
     from transformers import AutoConfig
 
-    from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source
-
     name = adapter_base(config.model_name) if is_adapter_folder(config.model_name) else config.model_name
     source, extra = model_source(name, config.gguf_file)
     try:
@@ -77,8 +80,6 @@ def model_shape(config, model_config=None) -> ModelShape:
     """Parameter counts of the model (and its LoRA adapter) built on the meta device: exact, and instant."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from gpt4all_training.model.loading import apply_lora, count_parameters
 
     model_config = model_config if model_config is not None else model_config_of(config)
     with torch.device("meta"), warnings.catch_warnings():
@@ -110,8 +111,6 @@ class Memory:
 
 def activation_bytes(shape: ModelShape, micro_batch: int, length: int, dtype: str,
                      gradient_checkpointing: bool) -> float:
-    from gpt4all_training.training.loss import CHUNK_ELEMENTS
-
     s, b, h, a, layers = length, micro_batch, shape.hidden, shape.heads, shape.layers
     value_bytes = 4 if dtype == "float32" else 2
     one_layer = s * b * h * (34 + 5 * a * s / h) * value_bytes / 2
@@ -137,54 +136,6 @@ def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str,
         estimates["ZeRO-2"] = Memory(4 * P, 4 * P / N, 8 * P / N, act)
         estimates["ZeRO-3"] = Memory(4 * P / N, 4 * P / N, 8 * P / N, act)
     return estimates
-
-
-# ---------------------------------------------------------------- steps and tokens (from the sampler)
-
-def run_layout(sampler, total_steps: int) -> np.ndarray:
-    """Example indices of every micro-batch of the run: shape (steps, accumulation, ranks, batch_size).
-
-    The reshape is the sampler's rule (micro-batch j of a step is its j-th slice of batch x ranks; rank r takes
-    the r-th batch of it), applied to `sampler.epoch_order`, so it is `step_indices` for every rank at once.
-    """
-    pieces, step = [], 0
-    while step < total_steps:
-        epoch, position = divmod(step, sampler.steps_per_epoch)
-        steps_here = min(sampler.steps_per_epoch - position, total_steps - step)
-        order = sampler.epoch_order(epoch).numpy()
-        start = position * sampler.examples_per_step
-        pieces.append(order[start:start + steps_here * sampler.examples_per_step])
-        step += steps_here
-    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    return flat.reshape(total_steps, sampler.grad_accum, sampler.world_size, sampler.batch_size)
-
-
-@dataclass
-class TokenCounts:
-    examples: int
-    tokens: int  # real tokens: what tokens_per_s counts
-    trained: int  # tokens with a loss: what train.py's trained_tokens counts
-    padded: int  # micro-batches padded to their longest example
-    packed: Optional[int] = None  # the same micro-batches packed into rows of up to max_length
-    packed_sampled: int = 0  # micro-batches the packed figure was measured on (all, or a prefix)
-    packed_real: int = 0  # real tokens of those micro-batches
-
-
-def count_run_tokens(layout: np.ndarray, lengths: np.ndarray, n_trained: np.ndarray, max_length: int,
-                     packing_sample: int = PACKING_SAMPLE) -> TokenCounts:
-    from gpt4all_training.data.batching import pack_rows
-
-    micro = layout.reshape(-1, layout.shape[-1])
-    micro_lengths = lengths[micro]
-    counts = TokenCounts(examples=int(micro.size), tokens=int(micro_lengths.sum()), trained=int(n_trained[micro].sum()),
-                         padded=int((micro_lengths.max(axis=1) * micro_lengths.shape[1]).sum()) if micro.size else 0)
-    sample = micro_lengths[:packing_sample]
-    packed = 0
-    for row_lengths in sample.tolist():
-        rows = pack_rows(row_lengths, max_length)
-        packed += len(rows) * max(sum(row_lengths[i] for i in row) for row in rows)
-    counts.packed, counts.packed_sampled, counts.packed_real = packed, len(sample), int(sample.sum())
-    return counts
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -224,7 +175,7 @@ class Plan:
     gpus: int
     micro_batch: int
     accumulation: int
-    global_batch: int
+    examples_per_step: int
     train_examples: int
     val_examples: int
     epoch_tokens: int
@@ -278,7 +229,7 @@ class Plan:
             f"{self.packed_padding_fraction:.4f} with packing{sampled}",
             "steps",
             f"  micro-batch {self.micro_batch} x {self.gpus} GPU(s) x accumulation {self.accumulation} = global batch "
-            f"{self.global_batch} examples",
+            f"{self.examples_per_step} examples",
             f"  {self.steps_per_epoch:,} optimiser steps per epoch ({self.dropped_per_epoch} examples dropped per "
             f"epoch: the last partial step); {self.total_steps:,} optimiser steps in total",
             f"  warmup_steps {self.warmup_steps} ({100 * self.warmup_steps / max(self.total_steps, 1):.1f}% of "
@@ -311,84 +262,29 @@ class Plan:
 
 def measured_tokens_per_second(output_dir: str) -> Optional[float]:
     """The median tokens_per_s an earlier run logged in output_dir/metrics.jsonl, if there is one."""
-    from gpt4all_training.tracking.tracker import read_metrics
-
     values = [row["tokens_per_s"] for row in read_metrics(Path(output_dir) / "metrics.jsonl")
               if isinstance(row.get("tokens_per_s"), (int, float))]
     return statistics.median(values) if values else None
 
 
-@dataclass
-class DataPlan:
-    train_examples: int  # examples, or rows per pass for causal_lm
-    val_examples: int
-    epoch_tokens: int
-    epoch_trained: int
-    global_batch: int
-    steps_per_epoch: int
-    dropped_per_epoch: int
-    total_steps: int
-    run: TokenCounts
-
-
-def plan_finetune_data(config, tokenizer, gpus: int) -> DataPlan:
-    """Prompt/response data: load_data, StepSampler and total_optimizer_steps, exactly as train.py calls them."""
-    from gpt4all_training.data.sft import load_data
-    from gpt4all_training.data.sampling import StepSampler
-    from gpt4all_training.training.loop import total_optimizer_steps
-
-    (train_ds, val_ds), _ = load_data(config, tokenizer)
-    lengths = np.asarray(train_ds["length"], dtype=np.int64)
-    n_trained = np.asarray(train_ds["n_trained"], dtype=np.int64)
-    sampler = StepSampler(len(train_ds), config.batch_size, gpus, 0, config.gradient_accumulation_steps, config.seed,
-                          lengths=train_ds["length"] if config.group_by_length else None)
+def plan_data(config, tokenizer, gpus: int) -> DataPlan:
+    """The run's data, sampler and length exactly as train() builds them for `gpus` processes, counted by the
+    objective."""
+    objective = objective_for(config)
+    data = objective.load_data(config, tokenizer, lambda line: None, launched_world_size())
+    sampler = objective.sampler(config, data, gpus, 0)
     total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
-    return DataPlan(train_examples=len(train_ds), val_examples=len(val_ds), epoch_tokens=int(lengths.sum()),
-                    epoch_trained=int(n_trained.sum()), global_batch=sampler.examples_per_step,
-                    steps_per_epoch=sampler.steps_per_epoch,
-                    dropped_per_epoch=len(train_ds) - sampler.steps_per_epoch * sampler.examples_per_step,
-                    total_steps=total_steps,
-                    run=count_run_tokens(run_layout(sampler, total_steps), lengths, n_trained, config.max_length))
-
-
-def plan_pretrain_data(config, tokenizer, gpus: int) -> DataPlan:
-    """causal_lm rows: load_pretrain_data and RowSampler as train.py calls them. A stream is read through once to
-    count its rows (train.py does not: it runs max_steps)."""
-    from gpt4all_training.data.text import PretrainStats, RowSampler, load_pretrain_data
-    from gpt4all_training.training.loop import total_optimizer_steps
-
-    (store, val_ds), (stats, _) = load_pretrain_data(config, tokenizer, log=lambda line: None)
-    sampler = RowSampler(store, config.batch_size, gpus, 0, config.gradient_accumulation_steps, config.seed,
-                         config.max_steps)
-    total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
-    if store.streaming:
-        stats = PretrainStats(rows_per_step=sampler.examples_per_step)
-        for _ in store.pass_rows(stats):
-            pass
-    rows = total_steps * sampler.examples_per_step
-    tokens = rows * config.max_length
-    trained = rows * (config.max_length - 1)  # every position but the first of each row
-    return DataPlan(train_examples=stats.rows, val_examples=len(val_ds), epoch_tokens=stats.rows * config.max_length,
-                    epoch_trained=stats.rows * (config.max_length - 1), global_batch=sampler.examples_per_step,
-                    steps_per_epoch=stats.steps, dropped_per_epoch=stats.dropped_rows, total_steps=total_steps,
-                    run=TokenCounts(examples=rows, tokens=tokens, trained=trained, padded=tokens, packed=tokens,
-                                    packed_sampled=rows // config.batch_size, packed_real=tokens))
+    return objective.plan_counts(config, data, sampler, total_steps)
 
 
 def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
-    from gpt4all_training.model.loading import tokenizer_for
-    from gpt4all_training.training.schedule import learning_rate
-
     if gpus < 1:
         raise UserError(f"--gpus: must be at least 1, got {gpus}")
     tokenizer = tokenizer_for(config)
-    pretraining = config.objective == "causal_lm"
-    data = (plan_pretrain_data if pretraining else plan_finetune_data)(config, tokenizer, gpus)
+    data = plan_data(config, tokenizer, gpus)
     total_steps = data.total_steps
 
     if config.init == "from_config":
-        from gpt4all_training.model.loading import resolve_model_config
-
         shape = model_shape(config, resolve_model_config(config, tokenizer))
     else:
         shape = model_shape(config)
@@ -400,7 +296,7 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
     if tokens_per_second is None:
         tokens_per_second = measured_tokens_per_second(config.output_dir)
         source = f"median measured in {config.output_dir}/metrics.jsonl"
-    notes = []
+    notes = list(data.notes)
     if tokens_per_second is not None and source == "given" and gpus > 1:
         notes.append("--tokens-per-second is the whole run's throughput (all GPUs together, as train logs it)")
     free = shutil.disk_usage(existing_parent(Path(config.output_dir))).free
@@ -408,11 +304,9 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
     if config.lr_schedule == "gpt3" and config.warmup_steps + config.anneal_steps > total_steps:
         notes.append(f"warmup_steps + anneal_steps = {config.warmup_steps + config.anneal_steps} is more than the "
                      f"{total_steps} steps: the run ends before end_lr")
-    if pretraining:
-        notes.append(f"causal_lm: examples are rows of {config.max_length} tokens, all trained but the first")
     return Plan(
         gpus=gpus, micro_batch=config.batch_size, accumulation=config.gradient_accumulation_steps,
-        global_batch=data.global_batch, train_examples=data.train_examples, val_examples=data.val_examples,
+        examples_per_step=data.examples_per_step, train_examples=data.train_examples, val_examples=data.val_examples,
         epoch_tokens=data.epoch_tokens, epoch_trained=data.epoch_trained, steps_per_epoch=data.steps_per_epoch,
         dropped_per_epoch=data.dropped_per_epoch, total_steps=total_steps, run=data.run,
         warmup_steps=config.warmup_steps,
@@ -432,20 +326,3 @@ def existing_parent(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="training config YAML")
-    parser.add_argument("--gpus", type=int, default=1, help="processes the run will use (default 1)")
-    parser.add_argument("--tokens-per-second", type=float, default=None,
-                        help="throughput of the whole run, for the time estimate (default: measured by an earlier "
-                             "run in output_dir, if any)")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-
-
-def run(args: argparse.Namespace) -> int:
-    from gpt4all_training.config.loader import load_config
-
-    config = load_config(args.config, args.overrides)
-    print(make_plan(config, args.gpus, args.tokens_per_second).describe())
-    return 0

@@ -33,9 +33,9 @@ def loss_chart(rows: list[dict[str, Any]], width: int = 720, height: int = 320) 
              f'<rect width="{width}" height="{height}" fill="white" stroke="#ccc"/>',
              f'<text x="50" y="15" font-size="12">loss {box[3]:.3f}</text>',
              f'<text x="50" y="{height - 5}" font-size="12">loss {box[2]:.3f} | step {box[0]} .. {box[1]}</text>']
-    for series, colour in ((train, "#1f77b4"), (val, "#ff7f0e")):
+    for series, color in ((train, "#1f77b4"), (val, "#ff7f0e")):
         if series:
-            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" '
+            parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" '
                          f'points="{_polyline(series, box, width, height)}"/>')
     parts.append("</svg>")
     return "".join(parts)

@@ -23,15 +23,19 @@ def public_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (none when there is no file), up to a line cut by a crash: everything before it
+    is intact. Blank lines are skipped."""
     path = Path(path)
     if not path.is_file():
         return []
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            break  # a line cut by a crash: everything before it is intact
+            break
     return rows
 
 
@@ -86,8 +90,21 @@ class Tracker:
         if self.wandb_run is not None and step >= self.wandb_run.step:  # a resumed run already has earlier steps
             self.wandb_run.log(metrics, step=step)
 
+    def log_histograms(self, values: dict[str, Any], step: int) -> None:
+        """Distributions (a tensor of values each) to TensorBoard and wandb; metrics.jsonl keeps numbers only."""
+        if self.tensorboard is not None:
+            for key, tensor in values.items():
+                self.tensorboard.add_histogram(key, tensor, step)
+        if self.wandb_run is not None and step >= self.wandb_run.step:
+            import wandb
+
+            self.wandb_run.log({key: wandb.Histogram(tensor.numpy()) for key, tensor in values.items()}, step=step)
+
     def close(self) -> None:
+        """Flush and close the trackers; closing again does nothing."""
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self.tensorboard = None
         if self.wandb_run is not None:
             self.wandb_run.finish()
+            self.wandb_run = None

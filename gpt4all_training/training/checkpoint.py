@@ -30,18 +30,17 @@ import pickle
 import random
 import re
 import shutil
-import signal
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+import yaml
 from safetensors import SafetensorError
 
-from gpt4all_training.backends.accelerate import (deepspeed_engine, is_xla, load_engine_state, save_engine_state, saveable_state_dict,
-                          to_cpu)
+from gpt4all_training.backends.deepspeed import deepspeed_pickled_types
 from gpt4all_training.errors import TrainingError, UserError
+from gpt4all_training.training.state import TrainState
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -141,16 +140,6 @@ def load_tensors(path: Path, map_location: str | None = None, mmap: bool = False
                         f"refused. Use only checkpoints this program wrote") from None
 
 
-def deepspeed_pickled_types() -> list[type]:
-    """The classes DeepSpeed pickles into its checkpoints besides tensors: data holders, whose unpickling runs no
-    code a file chooses."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
 def check_deepspeed_files(folder: Path) -> None:
     """Refuse a DeepSpeed checkpoint whose files hold more than tensors, plain values and deepspeed_pickled_types.
     DeepSpeed reads its files with weights_only=False, which runs whatever code a pickle names, so each file is
@@ -229,7 +218,7 @@ def rotate(output_dir: str | Path, keep_last: int | None, keep_every: int | None
 
 # ---------------------------------------------------------------- save / load
 
-def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, state: dict[str, Any],
+def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: dict[str, Any],
                     config_yaml: str, data_state: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint atomically. A collective: every rank calls it.
 
@@ -238,38 +227,34 @@ def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, stat
     """
     tmp = folder.with_name(folder.name + ".tmp")
     try:
-        if accelerator.is_main_process:
+        if backend.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        state_dict = saveable_state_dict(accelerator, model)  # gathers ZeRO-3 shards: every rank must call it
-        torch_save(rng_state(), tmp / "rng" / f"rank{accelerator.process_index}.pt")
-        engine = deepspeed_engine(model)
-        if engine is not None:
-            save_engine_state(engine, tmp / "deepspeed")
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(tmp / "model", state_dict=state_dict,
-                                                            safe_serialization=True)
-            if engine is None:
-                # XLA tensors cannot be pickled: the state goes to the CPU (load_state_dict moves it back).
-                optimizer_state = optimizer.state_dict()
-                torch_save(to_cpu(optimizer_state) if is_xla(accelerator) else optimizer_state, tmp / "optimizer.pt")
+        backend.wait_for_everyone()
+        state_dict = backend.saveable_state_dict(model)  # gathers ZeRO-3 shards: every rank must call it
+        torch_save(rng_state(), tmp / "rng" / f"rank{backend.rank}.pt")
+        if backend.engine_saves_state:
+            backend.save_engine_state(model, tmp / "deepspeed")
+        if backend.is_main_process:
+            backend.unwrap(model).save_pretrained(tmp / "model", state_dict=state_dict, safe_serialization=True)
+            if not backend.engine_saves_state:
+                torch_save(backend.optimizer_state_dict(optimizer), tmp / "optimizer.pt")
             torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
-            if getattr(accelerator, "scaler", None) is not None:
-                torch_save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
+            if backend.scaler is not None:
+                torch_save(backend.scaler.state_dict(), tmp / "scaler.pt")
             if data_state is not None:
                 torch_save(data_state, tmp / "data_state.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
             (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
+        backend.wait_for_everyone()
+        if backend.is_main_process:
             write_marker(tmp)
             fsync_tree(tmp)
             shutil.rmtree(folder, ignore_errors=True)
             os.replace(tmp, folder)
             fsync_dir(folder.parent)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
-        if accelerator.is_main_process:  # the one writer of the folder; a later rotate() sweeps what remains
+        if backend.is_main_process:  # the one writer of the folder; a later rotate() sweeps what remains
             shutil.rmtree(tmp, ignore_errors=True)
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         denied = getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -277,19 +262,36 @@ def save_checkpoint(folder: Path, accelerator, model, optimizer, scheduler, stat
                             f"{previous_checkpoint_note(folder.parent)}. "
                             f"{'Make output_dir writable' if denied else 'Free disk space'}, then rerun with "
                             f"resume=auto") from exc
-    accelerator.wait_for_everyone()
+    backend.wait_for_everyone()
     return folder
 
 
-def save_step_checkpoint(output_dir: Path, state: dict[str, Any], sampler, accelerator, model, optimizer, scheduler,
+def save_step_checkpoint(output_dir: Path, state: TrainState, sampler, backend, model, optimizer, scheduler,
                          config_yaml: str, keep_last: int | None, keep_every: int | None) -> Path:
     """The loop's checkpoint: step_N/ with the sampler's state, then rotation of older ones."""
-    folder = save_checkpoint(output_dir / f"step_{state['step']}", accelerator, model, optimizer, scheduler,
-                             training_state(state["step"], state["trained_tokens"], sampler), config_yaml,
+    folder = save_checkpoint(output_dir / f"step_{state.step}", backend, model, optimizer, scheduler,
+                             training_state(state.step, state.trained_tokens, sampler), config_yaml,
                              sampler.data_state())
-    if accelerator.is_main_process:
+    if backend.is_main_process:
         rotate(output_dir, keep_last, keep_every)
     return folder
+
+
+class Checkpointer:
+    """The loop's step_N/ checkpoints: due every save_every steps but the last (final/ is written then)."""
+
+    def __init__(self, config, backend, sampler, total_steps: int) -> None:
+        self.output_dir = Path(config.output_dir)
+        self.every, self.keep_last, self.keep_every = config.save_every, config.keep_last, config.keep_every
+        self.backend, self.sampler, self.total_steps = backend, sampler, total_steps
+        self.config_yaml = yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step != self.total_steps
+
+    def save(self, state: TrainState, model, optimizer, scheduler) -> Path:
+        return save_step_checkpoint(self.output_dir, state, self.sampler, self.backend, model, optimizer, scheduler,
+                                    self.config_yaml, self.keep_last, self.keep_every)
 
 
 def load_model_weights(model, model_dir: Path) -> None:
@@ -316,27 +318,26 @@ def load_model_weights(model, model_dir: Path) -> None:
         raise UserError(f"checkpoint {model_dir}: weights do not fit this model (e.g. {(missing or unexpected)[0]})")
 
 
-def load_checkpoint(folder: Path, accelerator, model, optimizer, scheduler) -> dict[str, Any]:
-    """Restore model, optimiser, scheduler, scaler and this rank's RNG from a verified checkpoint; return its state."""
+def load_checkpoint(folder: Path, backend, model, optimizer, scheduler) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler, scaler and this rank's RNG from a verified checkpoint; return its state."""
     problem = verify(folder)
     if problem is not None:
         raise UserError(f"checkpoint {folder}: {problem}; pick another step_N folder")
-    engine = deepspeed_engine(model)
-    if engine is not None:
+    if backend.engine_saves_state:
         if not (folder / "deepspeed").is_dir():
             raise UserError(f"checkpoint {folder}: written without DeepSpeed, so it has no engine state to resume "
                             f"a DeepSpeed run from; resume it with the launcher it was written with")
         check_deepspeed_files(folder / "deepspeed")
-        load_engine_state(engine, folder / "deepspeed")
+        backend.load_engine_state(model, folder / "deepspeed")
     else:
         if not (folder / "optimizer.pt").is_file():
             raise UserError(f"checkpoint {folder}: written under DeepSpeed; resume it with the same DeepSpeed launch")
-        load_model_weights(accelerator.unwrap_model(model), folder / "model")
+        load_model_weights(backend.unwrap(model), folder / "model")
         optimizer.load_state_dict(load_tensors(folder / "optimizer.pt", map_location="cpu"))
     scheduler.load_state_dict(load_tensors(folder / "scheduler.pt"))
-    if (folder / "scaler.pt").is_file() and getattr(accelerator, "scaler", None) is not None:
-        accelerator.scaler.load_state_dict(load_tensors(folder / "scaler.pt"))
-    rng_file = folder / "rng" / f"rank{accelerator.process_index}.pt"
+    if (folder / "scaler.pt").is_file() and backend.scaler is not None:
+        backend.scaler.load_state_dict(load_tensors(folder / "scaler.pt"))
+    rng_file = folder / "rng" / f"rank{backend.rank}.pt"
     if rng_file.is_file():
         set_rng_state(load_tensors(rng_file))
     return json.loads((folder / "state.json").read_text(encoding="utf-8"))
@@ -365,66 +366,17 @@ def find_resume_checkpoint(checkpoint: str | None, resume: str | None, output_di
     return None
 
 
-def resume_training(config, accelerator, model, optimizer, scheduler, sampler,
-                    log: Callable[[str], Any] = print) -> dict[str, Any]:
+def resume_training(config, backend, model, optimizer, scheduler, sampler,
+                    log: Callable[[str], Any] = print) -> TrainState:
     """The state to start the loop from: restored from a checkpoint when the config asks for one, else step 0."""
     folder = find_resume_checkpoint(config.checkpoint, getattr(config, "resume", None), config.output_dir, log)
     if folder is None:
-        return {"step": 0, "trained_tokens": 0}
-    state = load_checkpoint(folder, accelerator, model, optimizer, scheduler)
+        return TrainState()
+    state = load_checkpoint(folder, backend, model, optimizer, scheduler)
     check_resumable(state, sampler, folder)
     if (folder / "data_state.pt").is_file():
         sampler.load_data_state(load_tensors(folder / "data_state.pt"))
     epoch, position = divmod(state["step"], sampler.steps_per_epoch)
     log(f"resumed from {folder} at step {state['step']} (epoch {epoch + 1}, step {position} of "
         f"{sampler.steps_per_epoch} in it; {state['trained_tokens']:,} tokens trained so far)")
-    return state
-
-
-# ---------------------------------------------------------------- stopping on a signal
-
-class GracefulStop:
-    """SIGTERM (a preempted instance) or SIGINT (Ctrl-C): finish the current step, write a checkpoint, then stop.
-
-    A second signal stops at once (KeyboardInterrupt). The run then exits with 128 + the signal's number (143 for
-    SIGTERM, 130 for SIGINT), as a shell reports a process stopped by that signal, so a wrapper script does not
-    mistake it for a finished run; the checkpoint makes `resume=auto` continue exactly.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.received is not None:
-            self.close()
-            raise KeyboardInterrupt
-        self.received = signum
-        # os.write, not print: a signal handler may run in the middle of another print.
-        os.write(2, f"\n{signal.Signals(signum).name} received: finishing this step and writing a checkpoint "
-                    f"(send it again to stop at once)\n".encode())
-
-    def requested(self, accelerator) -> bool:
-        """Whether any rank got a signal; every rank must call it at the same step, since it is a collective."""
-        flag = self.received is not None
-        if accelerator.num_processes > 1:
-            votes = torch.tensor([float(flag)], device=accelerator.device)
-            flag = accelerator.reduce(votes, reduction="sum").item() > 0
-        return flag
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.received or signal.SIGTERM)
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.received or signal.SIGTERM).name
-
-    def close(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
+    return TrainState(state["step"], state["trained_tokens"])

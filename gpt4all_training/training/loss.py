@@ -1,4 +1,5 @@
-"""Token-level cross-entropy sums. Loss normalisation happens in the loop, over the trained tokens of a whole step.
+"""The next-token loss, one path for fine-tuning, raw-text rows and evaluation: token-level cross-entropy sums.
+Loss normalisation happens in the loop, over the trained tokens of a whole step.
 
 The full-vocabulary logits of a batch are never built. The model runs with its output head swapped for an identity,
 so its forward (through DDP, DeepSpeed or torch.compile wrappers alike) returns the final hidden states. Only the
@@ -8,58 +9,28 @@ its forward, so the backward pass only scales them: the projection is not recomp
 chunk's logits instead of batch x length x vocab of them. Prompt and padding positions never reach the head at all.
 
 The plain path (full logits, then cross-entropy) remains for heads it cannot reproduce exactly: a head that is not a
-plain `nn.Linear` (LoRA on lm_head, modules_to_save), ZeRO-3 partitioned weights, or logit soft-capping/scaling.
+plain `nn.Linear` (LoRA on lm_head, modules_to_save), ZeRO-3 partitioned weights, or logit soft-capping/scaling;
+and under XLA, where selecting the trained positions would give every batch a new shape to compile.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpt4all_training.data.sft import IGNORE
+from gpt4all_training.batch import IGNORE, model_inputs
+from gpt4all_training.model.wrappers import unwrap_model
 
 # Logits elements per chunk: 8M floats (32 MiB in fp32), e.g. 170 rows of a 49k vocabulary.
 CHUNK_ELEMENTS = 1 << 23
 # Config attributes of models whose forward changes the logits after the head; those keep the plain path.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 _IDENTITY = nn.Identity()  # one instance, so a compiled model sees the same module on every call
-
-
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """What the model is called with. No KV cache: training never reads it, and transformers only reads restarting
-    position_ids as packed-sequence boundaries when there is none (with a cache, packed examples would attend to
-    each other)."""
-    inputs: dict[str, Any] = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
-    return {**inputs, "use_cache": False}
-
-
-def trained_token_count(batch: dict[str, torch.Tensor]) -> int:
-    """Positions that are predicted and trained: labels after the causal shift that are not IGNORE."""
-    return int((batch["labels"][:, 1:] != IGNORE).sum())
-
-
-def real_token_count(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens of examples (not padding): the attention mask of a padded batch, sequence_ids > 0 of a packed one."""
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int((batch["sequence_ids"] > 0).sum())
-
-
-def unwrap_model(model) -> nn.Module:
-    """The transformers model inside DDP / DeepSpeed / compile / PEFT wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        elif hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        else:
-            return model
 
 
 def output_head(model) -> tuple[nn.Module, str, nn.Linear] | None:
@@ -168,26 +139,88 @@ def chunked_loss_and_z(hidden: torch.Tensor, head: nn.Linear, targets: torch.Ten
                                            torch.is_grad_enabled(), z_loss)
 
 
-def chunked_nll_sum(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
-                    chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
-    """Sum of NLL of `targets` under `head(hidden)` for rows of hidden (N, H), without N x vocab logits."""
-    return chunked_loss_and_z(hidden, head, targets, 0.0, chunk_elements)[0]
+def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of NLL of `targets` under fp32 `logits` (..., vocab), already shifted; IGNORE targets skipped."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
 
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of next-token NLL over the trained positions of `batch` (fp32 maths whatever the autocast dtype)."""
+@dataclass
+class TokenLoss:
+    total: torch.Tensor  # sum of next-token NLL over the trained positions, plus z_loss x z_sum
+    z_sum: torch.Tensor  # sum of log(Z)^2 over the trained positions (not differentiable; 0 when nothing needs it)
+    targets: torch.Tensor  # the shifted labels, on the logits' device
+    last_logits: Optional[torch.Tensor]  # fp32 logits of each row's final position, without gradient, when asked
+
+
+def token_loss(model, batch: dict[str, torch.Tensor], z_loss: float = 0.0, last_position: bool = False) -> TokenLoss:
+    """The one next-token loss: NLL over the trained positions of `batch` (fp32 maths whatever the autocast dtype),
+    plus `z_loss` x log(Z)^2 (mesh-transformer-jax's auxiliary loss, which keeps the softmax normaliser near 1).
+
+    The chunked head is used where it reproduces the model's logits exactly (see the module docstring), else the
+    full logits. `last_position` also returns each row's final-position logits (the prediction with the most
+    context), so that only those are built whole besides.
+    """
     targets = batch["labels"][:, 1:]
     # XLA: the chunked head selects trained tokens by a boolean mask, a data-dependent shape that recompiles.
     found = None if batch["input_ids"].device.type == "xla" else output_head(model)
     if found is None:
-        logits = model(**model_inputs(batch)).logits
-        shifted = logits[:, :-1].float()
+        shifted = model(**model_inputs(batch)).logits[:, :-1].float()
         targets = targets.to(shifted.device)
-        return F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                               reduction="sum")
+        total = nll_sum(shifted, targets)
+        z_sum = torch.zeros((), dtype=torch.float32, device=shifted.device)
+        if z_loss:
+            lse = torch.logsumexp(shifted, dim=-1)  # every position, then masked: shapes stay fixed under XLA
+            z_sum = torch.where(targets != IGNORE, lse * lse, 0.0).sum()
+            total = total + z_loss * z_sum
+            z_sum = z_sum.detach()
+        last = shifted[:, -1].detach() if last_position else None
+        return TokenLoss(total, z_sum, targets, last)
     parent, name, head = found
     with head_removed(parent, name):
-        hidden = model(**model_inputs(batch)).logits
+        hidden = model(**model_inputs(batch)).logits[:, :-1]
     targets = targets.to(hidden.device)
     trained = targets != IGNORE
-    return chunked_nll_sum(hidden[:, :-1][trained], head, targets[trained])
+    total, z_sum = chunked_loss_and_z(hidden[trained], head, targets[trained], z_loss)
+    last = None
+    if last_position:
+        with torch.no_grad():
+            last = head(hidden[:, -1]).float()
+    return TokenLoss(total, z_sum, targets, last)
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of next-token NLL over the trained positions of `batch`: the fine-tuning loss and the evaluation loss."""
+    return token_loss(model, batch).total
+
+
+class CausalLMLoss:
+    """The loop's `loss_fn(model, batch)` for raw-text rows: token_loss with `z_loss`. The loop divides by the step's
+    trained tokens, so the z-term is a mean too.
+
+    It also keeps, as metrics, the loss at the final position of each row (`train/last_loss`) and the z-term
+    (`train/z_loss`), summed over the steps since they were last read.
+    """
+
+    def __init__(self, z_loss: float = 0.0) -> None:
+        self.z_loss = z_loss
+        self.window = torch.zeros(4, dtype=torch.float64)  # last-loss sum, rows, log(Z)^2 sum, trained positions
+
+    def __call__(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = token_loss(model, batch, self.z_loss, last_position=True)
+        with torch.no_grad():
+            last_targets = out.targets[:, -1]
+            last_sum = F.cross_entropy(out.last_logits, last_targets, ignore_index=IGNORE, reduction="sum")
+            self.window += torch.stack([last_sum.double().cpu(), (last_targets != IGNORE).sum().double().cpu(),
+                                        out.z_sum.detach().double().cpu(),
+                                        (out.targets != IGNORE).sum().double().cpu()])
+        return out.total
+
+    def window_metrics(self, accelerator) -> dict[str, float]:
+        """The metrics since the last call, over all ranks (a collective: every rank calls it), then reset."""
+        totals = accelerator.reduce(self.window.to(accelerator.device), reduction="sum").cpu()
+        self.window.zero_()
+        metrics = {"train/last_loss": (totals[0] / totals[1]).item() if totals[1] else float("nan")}
+        if self.z_loss:
+            metrics["train/z_loss"] = (self.z_loss * totals[2] / totals[3]).item() if totals[3] else float("nan")
+        return metrics

@@ -10,6 +10,9 @@ lr 0. Two shapes:
 from __future__ import annotations
 
 import math
+from functools import partial
+
+import torch
 
 SCHEDULES = ("cosine", "gpt3")
 
@@ -50,3 +53,18 @@ def learning_rate(step: int, config, total_steps: int) -> float:
     if getattr(config, "lr_schedule", "cosine") == "gpt3":
         return gpt3_schedule(step, config.lr, config.end_lr, config.warmup_steps, config.anneal_steps)
     return cosine_with_min_lr(step, config.lr, config.min_lr, config.warmup_steps, total_steps)
+
+
+def total_optimizer_steps(steps_per_epoch: int, num_epochs: int, max_steps: int | None) -> int:
+    """Optimizer steps of the whole run, across epochs: the one number the schedule, plan and loop share."""
+    total = steps_per_epoch * num_epochs
+    return min(total, max_steps) if max_steps else total
+
+
+def lr_factor(step: int, config, total_steps: int) -> float:
+    return learning_rate(step, config, total_steps) / config.lr
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config, total_steps: int):
+    """The LambdaLR that drives `optimizer` (the one that applies the updates) along learning_rate."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config, total_steps=total_steps))

@@ -12,9 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
+from support.files import write_config
+from support.launch import free_port
+from support.models import weights
+from support.paths import PYTHON
 
-from .runs import LAUNCH_SECONDS, PYTHON, accelerate, free_port, launch, train_command, weights
+from .runs import LAUNCH_SECONDS, accelerate, launch, train_command
 
 STEPS = 8
 ZERO3 = "--deepspeed_config_file=configs/deepspeed/ds_config_zero3.json"
@@ -38,14 +41,12 @@ def dist_config(tiny_model_dir, clean_dolly, tmp_path_factory) -> Path:
     lost it (gpt4all's DeepSpeed runs did) fails the parity tests. Clipping at 1.0 is active (norms ~1.2-1.8),
     so DeepSpeed's gradient_clipping must come from max_grad_norm. No LoRA dropout: ranks draw different masks
     than one process does."""
-    config = {"model_name": str(tiny_model_dir), "dataset_path": str(clean_dolly), "max_length": 128,
-              "batch_size": 1, "gradient_accumulation_steps": 2, "lr": 3.0e-3, "min_lr": 1.0e-4, "warmup_steps": 2,
-              "weight_decay": 1.0, "max_grad_norm": 1.0, "max_steps": STEPS, "eval_every": None,
-              "eval_steps": None, "save_every": 4, "keep_last": 2, "val_fraction": 0.05, "seed": 7, "num_proc": 1,
-              "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "report_to": ["jsonl"]}
-    path = tmp_path_factory.mktemp("dist-config") / "train.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_config(tmp_path_factory.mktemp("dist-config"), {
+        "model_name": str(tiny_model_dir), "dataset_path": str(clean_dolly), "max_length": 128, "batch_size": 1,
+        "gradient_accumulation_steps": 2, "lr": 3.0e-3, "min_lr": 1.0e-4, "warmup_steps": 2, "weight_decay": 1.0,
+        "max_grad_norm": 1.0, "max_steps": STEPS, "eval_every": None, "eval_steps": None, "save_every": 4,
+        "keep_last": 2, "val_fraction": 0.05, "seed": 7, "num_proc": 1, "lora_r": 8, "lora_alpha": 16,
+        "lora_dropout": 0.0, "report_to": ["jsonl"]})
 
 
 @pytest.fixture(scope="session")

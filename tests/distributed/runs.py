@@ -8,8 +8,6 @@ configs/accelerate/<file>.yaml --num_processes 2 ... train.py --config ...`. Eac
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -18,10 +16,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from conftest import PYTHON, REPO
-from safetensors.torch import load_file
+from support.files import read_jsonl
+from support.launch import ACCELERATE, launch_env
+from support.models import weights
+from support.paths import REPO
 
-ACCELERATE = str(Path(PYTHON).with_name("accelerate"))
 ACCELERATE_CONFIGS = REPO / "configs" / "accelerate"
 DEEPSPEED_CONFIGS = REPO / "configs" / "deepspeed"
 IGNORE = -100
@@ -49,11 +48,6 @@ VAL_LOSS_ATOL = 1e-5
 # moves weights by ~1e-2.
 LOGITS_ATOL = 1e-4
 
-# Variables a launcher sets for its children; inherited from an outer launch they would confuse the inner one.
-LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-
-
 # Wall seconds of each launch in this session, by output folder name, for the terminal summary.
 LAUNCH_SECONDS: dict[str, float] = {}
 
@@ -65,7 +59,7 @@ class Run:
     seconds: float
 
     def metrics(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
+        return read_jsonl(self.output_dir / "metrics.jsonl")
 
     def train_rows(self) -> list[dict[str, Any]]:
         return [row for row in self.metrics() if "loss" in row]
@@ -79,18 +73,6 @@ class Run:
     @property
     def final(self) -> Path:
         return self.output_dir / "final"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    return env
 
 
 def accelerate(config_file: str, *flags: str) -> list[str]:
@@ -128,14 +110,6 @@ def launch(commands: list[list[str]], output_dir: Path, timeout: float = 1200,
 
 
 # ---------------------------------------------------------------- reading models back
-
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(shard)))
-    assert tensors, f"no safetensors in {folder}"
-    return tensors
-
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()

@@ -8,8 +8,8 @@ import json
 import pytest
 import yaml
 
-from gpt4all_training.config.loader import TrainConfig
-from gpt4all_training.backends.accelerate import fill_deepspeed_config
+from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.backends.deepspeed import fill_deepspeed_config
 from gpt4all_training.errors import UserError
 
 from .runs import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS

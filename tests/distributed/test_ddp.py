@@ -4,7 +4,11 @@ with the same global batch. Tolerances are justified in runs.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from .runs import assert_same_training
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_ddp_matches_one_process(single_run, ddp_run, initial_weights):

@@ -9,9 +9,12 @@ import re
 
 import pytest
 import torch
+from support.models import weights
 
 from .runs import (LOGITS_ATOL, VAL_LOSS_ATOL, assert_same_training, load_final, logits_of, max_difference,
-                   validation_loss, weights)
+                   validation_loss)
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
 FULL_RUNS = ["ddp_run", "zero2_run", "zero3_run"]
 LORA_RUNS = ["offload_lora_run", "zero3_lora_run"]

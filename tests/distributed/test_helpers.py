@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from gpt4all_training.backends.accelerate import bucket_width, fingerprint
+from gpt4all_training.backends.replicas import fingerprint
+from gpt4all_training.backends.xla import bucket_width
 
 
 def test_fingerprint_is_equal_for_equal_tensors_and_changes_with_one_bit():

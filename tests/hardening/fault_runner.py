@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import gpt4all_training.training.loop as train
+import gpt4all_training.training.objectives as objectives
 from gpt4all_training.cli.main import main
 
 KIND, _, STEP = os.environ.get("FAULT", "none:0").partition(":")
@@ -59,7 +60,7 @@ def wrap_loss(original):
 
 
 train.train_step = wrap_train_step(train.train_step)
-train.token_loss_sum = wrap_loss(train.token_loss_sum)  # what train() hands train_step as its loss function
+objectives.token_loss_sum = wrap_loss(objectives.token_loss_sum)  # the fine-tuning objective's loss
 
 if __name__ == "__main__":
     main(["train", *sys.argv[1:]])

@@ -16,13 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, REPO
-from resume.harness import assert_bitwise_equal_weights, exact_rows, explain, free_port, metrics, step_dirs, weights
+from support.launch import explain, free_port
+from support.models import weights
+from support.outputs import assert_bitwise_equal_weights, exact_rows, metrics, step_dirs
+from support.paths import PYTHON, REPO
 
 from gpt4all_training import cli
 from gpt4all_training.training.checkpoint import verify
 
-from .conftest import RUNNER, STEPS, error_lines, run_train, write_data
+from .harness import RUNNER, STEPS, error_lines, run_train, write_data
 
 # Exec the rest of the command without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (prctl PR_CAPBSET_DROP; root
 # keeps neither across exec), so file permissions bind root as they bind everyone else.
@@ -43,6 +45,8 @@ def permissions_bind() -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- the dataset
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_data_deleted_and_truncated_mid_run_changes_nothing(hard_config, reference, dolly_rows, tmp_path):
     """Both splits are tokenised into memory-mapped Arrow before step 1, so the source files are not read again:
     deleting one and cutting the other in half before step 3 leaves the run bitwise equal to the reference."""
@@ -57,6 +61,7 @@ def test_data_deleted_and_truncated_mid_run_changes_nothing(hard_config, referen
     assert_bitwise_equal_weights(out / "final", reference / "final")
 
 
+@pytest.mark.integration
 def test_truncated_dataset_file_at_start_is_one_line_naming_it(hard_config, dolly_rows, tmp_path):
     bad = tmp_path / "cut_clean.jsonl"
     text = "".join(json.dumps(row) + "\n" for row in dolly_rows[:5])
@@ -81,6 +86,7 @@ def test_truncated_file_in_a_dataset_folder_is_named(hard_config, dolly_rows, tm
 
 # ---------------------------------------------------------------- output_dir
 
+@pytest.mark.integration
 def test_read_only_output_dir_fails_before_any_work(hard_config, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -98,6 +104,8 @@ def test_read_only_output_dir_fails_before_any_work(hard_config, tmp_path):
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_output_dir_made_read_only_mid_run_fails_at_the_next_save_in_one_line(hard_config, tmp_path):
     """Appending to metrics.jsonl still works (the file's own permission); creating step_4.tmp/ does not."""
     out = tmp_path / "run"
@@ -130,6 +138,8 @@ def test_nan_policy_and_ddp_timeout_are_validated(hard_config):
     with pytest.raises(UserError, match=r"^ddp_timeout_s: must be at least 1 \(or unset\), got 0$"):
         load_config(hard_config, ["ddp_timeout_s=0"])
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_nan_at_step_k_stops_naming_it_and_keeps_the_checkpoint_before(nan_stopped, reference):
     result, out = nan_stopped
     assert result.returncode == 1, explain(result)
@@ -154,6 +164,8 @@ def skipped_run(hard_config, tmp_path_factory) -> tuple[subprocess.CompletedProc
     return result, root, token
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_nan_at_step_k_is_skipped_and_counted(skipped_run, reference):
     result, root, _ = skipped_run
     out = root / "run"
@@ -180,6 +192,8 @@ def test_nan_at_step_k_is_skipped_and_counted(skipped_run, reference):
     assert "nan" not in summary.split("<svg")[1].split("</svg>")[0].lower()  # the skipped step is not drawn
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_hf_token_is_in_no_file_the_run_writes(skipped_run):
     """Checkpoints (config.yaml, state.json), metrics.jsonl, report.html, final/, wandb's offline run and its
     settings, the datasets cache, stdout and stderr: the token from HF_TOKEN is in none of them."""
@@ -219,6 +233,9 @@ def wait_until(condition, limit: float) -> float:
     return time.monotonic()
 
 
+@pytest.mark.integration
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_killed_rank_makes_the_other_exit_at_once_with_one_line(hard_config, tmp_path):
     rank0, rank1 = launch_two_ranks(hard_config, tmp_path / "run", signal_name="KILL")
     try:
@@ -241,6 +258,9 @@ def test_killed_rank_makes_the_other_exit_at_once_with_one_line(hard_config, tmp
     assert "Traceback" not in err
 
 
+@pytest.mark.integration
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_hung_rank_makes_the_other_exit_after_ddp_timeout_with_one_line(hard_config, tmp_path):
     """SIGSTOP keeps rank 1's sockets open, as a wedged GPU or a frozen node does: only the timeout can end rank 0."""
     timeout = 8  # long enough for rank 1 to wait out rank 0's tokenisation at main_process_first's barrier

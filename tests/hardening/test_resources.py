@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO
+from support.paths import PYTHON, REPO
 
 SCRIPT = Path(__file__).with_name("load_memory.py")
 
@@ -27,6 +27,7 @@ def medium_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_loading_a_model_holds_one_copy_of_its_weights(medium_model_dir, tiny_model_dir):
     """Per process, so per rank: each rank of a DDP run holds exactly this one copy (ZeRO-3 too, until prepare()

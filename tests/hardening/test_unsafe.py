@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO
-from resume.harness import explain
+from support.launch import explain
+from support.paths import REPO
 
 from gpt4all_training import cli
 from gpt4all_training.training.checkpoint import MARKER, load_checkpoint, verify, write_marker
 from gpt4all_training.errors import UserError
-from gpt4all_training.model.loading import load_model, param_groups
+from gpt4all_training.model.loading import load_model
+from gpt4all_training.model.parameters import param_groups
 
-from .conftest import error_lines, run_train
+from .harness import error_lines, run_train
 
 
 class WritesMarker:
@@ -78,9 +79,8 @@ def test_code_next_to_a_known_architecture_is_ignored_without_trust(tiny_model_d
 
 
 def test_every_config_leaves_trust_remote_code_off_by_default():
-    from gpt4all_training.config.loader import TrainConfig, config_fields
-    from gpt4all_training.generation.generate import GenerateConfig
-    from gpt4all_training.analysis.inference import InferenceConfig
+    from gpt4all_training.config.loader import config_fields
+    from gpt4all_training.config.schemas import GenerateConfig, InferenceConfig, TrainConfig
 
     assert {cls.__name__: config_fields(cls)["trust_remote_code"].default
             for cls in (TrainConfig, GenerateConfig, InferenceConfig)} == \
@@ -119,10 +119,14 @@ def tampered_checkpoint(source: Path, folder: Path, name: str, marker: Path) -> 
     return folder
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng/rank0.pt"])
 def test_checkpoint_pickles_that_run_code_are_refused(nan_stopped, name, tmp_path):
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
+
+    from gpt4all_training.backends.accelerate import backend_for
 
     _, run = nan_stopped
     marker = tmp_path / "marker"
@@ -131,7 +135,7 @@ def test_checkpoint_pickles_that_run_code_are_refused(nan_stopped, name, tmp_pat
     optimizer = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with pytest.raises(UserError) as error:
-        load_checkpoint(folder, Accelerator(cpu=True), model, optimizer, scheduler)
+        load_checkpoint(folder, backend_for(Accelerator(cpu=True)), model, optimizer, scheduler)
     assert str(error.value) == (f"checkpoint file {folder / name}: holds objects other than tensors, and loading "
                                 f"them could run code; refused. Use only checkpoints this program wrote")
     assert not marker.exists()
@@ -139,6 +143,8 @@ def test_checkpoint_pickles_that_run_code_are_refused(nan_stopped, name, tmp_pat
     assert marker.exists()
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_resuming_from_a_checkpoint_with_a_code_pickle_is_one_line(nan_stopped, hard_config, tmp_path):
     """The same refusal end to end: `train.py checkpoint=PATH` in a real process."""
     _, run = nan_stopped
@@ -203,18 +209,19 @@ def test_the_package_loads_only_safe_formats():
     pickle.load(s); nothing hard-codes trust_remote_code=True. (DeepSpeed's own reader, called for ZeRO checkpoints,
     is outside this package; checkpoint.check_deepspeed_files checks its files first.)"""
     problems = []
-    for path in sorted((REPO / "gpt4all_training").glob("*.py")):
+    for path in sorted((REPO / "gpt4all_training").rglob("*.py")):
+        name = path.relative_to(REPO).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for call in calls(tree, "torch", "load"):
             if not any(k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in call.keywords):
-                problems.append(f"{path.name}:{call.lineno} torch.load without weights_only=True")
+                problems.append(f"{name}:{call.lineno} torch.load without weights_only=True")
         for function in ("load", "unsafe_load", "full_load", "load_all", "unsafe_load_all"):
-            problems += [f"{path.name}:{c.lineno} yaml.{function}" for c in calls(tree, "yaml", function)]
+            problems += [f"{name}:{c.lineno} yaml.{function}" for c in calls(tree, "yaml", function)]
         for function in ("load", "loads"):
-            problems += [f"{path.name}:{c.lineno} pickle.{function}" for c in calls(tree, "pickle", function)]
+            problems += [f"{name}:{c.lineno} pickle.{function}" for c in calls(tree, "pickle", function)]
         for node in ast.walk(tree):
             if isinstance(node, ast.keyword) and node.arg == "trust_remote_code" and \
                     getattr(node.value, "value", None) is True:
-                problems.append(f"{path.name}:{node.value.lineno} trust_remote_code=True")
+                problems.append(f"{name}:{node.value.lineno} trust_remote_code=True")
     assert problems == []
-    assert len(calls(ast.parse((REPO / "gpt4all_training" / "checkpoint.py").read_text()), "torch", "load")) == 1
+    assert len(calls(ast.parse((REPO / "gpt4all_training" / "training" / "checkpoint.py").read_text()), "torch", "load")) == 1

@@ -17,7 +17,6 @@ import sys
 
 import gpt4all_training.training.checkpoint as checkpoint
 import gpt4all_training.training.evaluate as evaluate
-import gpt4all_training.training.loop as train
 import gpt4all_training.tracking.tracker as tracking
 from gpt4all_training.cli.main import main
 
@@ -48,7 +47,7 @@ def wrap_tracker_log(original):
 def wrap_save(original):
     def save(output_dir, state, *args, **kwargs):
         folder = original(output_dir, state, *args, **kwargs)
-        if POINT == "after_save" and state["step"] == STEP and int(os.environ.get("RANK", "0")) == 0:
+        if POINT == "after_save" and state.step == STEP and int(os.environ.get("RANK", "0")) == 0:
             kill()
         return folder
     return save
@@ -72,7 +71,7 @@ def wrap_write_marker(original):
 
 
 tracking.Tracker.log = wrap_tracker_log(tracking.Tracker.log)
-train.save_step_checkpoint = wrap_save(train.save_step_checkpoint)
+checkpoint.save_step_checkpoint = wrap_save(checkpoint.save_step_checkpoint)
 evaluate.token_loss_sum = wrap_eval_loss(evaluate.token_loss_sum)
 checkpoint.write_marker = wrap_write_marker(checkpoint.write_marker)
 

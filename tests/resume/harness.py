@@ -1,29 +1,21 @@
-"""Helpers of the resume tests: running training as a real subprocess, and comparing two runs exactly."""
+"""Helpers of the resume tests: training as a real subprocess that can be stopped at a chosen point, and a local
+Hub."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import torch
-from conftest import PYTHON, REPO
-from safetensors.torch import load_file
+from support.launch import TRAIN_SCRIPT, accelerate_deepspeed, limit_file_size, torchrun
+from support.launch import run_train as run_script
+from support.paths import REPO
 
 RUNNER = Path(__file__).with_name("crash_runner.py")
-TORCHRUN = str(Path(PYTHON).parent / "torchrun")
-ACCELERATE = str(Path(PYTHON).parent / "accelerate")
 ZERO2 = REPO / "configs" / "deepspeed" / "ds_config.json"
-
-
-# Exec the command with RLIMIT_FSIZE set: a write past the limit then fails with EFBIG ("File too large"), like a
-# full disk, without root (Python ignores SIGXFSZ, so the write raises instead of killing the process).
-LIMIT_FILE_SIZE = ("import os, resource, sys; n = int(sys.argv[1]); "
-                   "resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])")
+TOTAL_STEPS = 30  # 43 training examples // batch 4 = 10 steps per epoch, x 3 epochs
 
 
 def run_train(config: Path, output_dir: Path, *overrides: str, crash: str | None = None, env: dict | None = None,
@@ -32,77 +24,12 @@ def run_train(config: Path, output_dir: Path, *overrides: str, crash: str | None
     """`train.py --config CONFIG output_dir=... OVERRIDES` in a fresh process (through crash_runner.py when
     `crash` names a stop point; under torchrun when `processes` > 1, or accelerate launch with DeepSpeed ZeRO-2;
     with no file larger than `max_file_bytes`)."""
-    script = str(RUNNER if crash else REPO / "train.py")
-    launcher = [TORCHRUN, "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else [PYTHON]
+    launcher = torchrun(processes) if processes > 1 else None
     if deepspeed:
-        launcher = [ACCELERATE, "launch", "--use_deepspeed", f"--num_processes={processes}",
-                    f"--main_process_port={free_port()}", f"--deepspeed_config_file={ZERO2}"]
-    if max_file_bytes:
-        launcher = [PYTHON, "-c", LIMIT_FILE_SIZE, str(max_file_bytes), *launcher]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    if crash:
-        full_env["CRASH_AT"] = crash
-    return subprocess.run([*launcher, script, "--config", str(config), f"output_dir={output_dir}", *overrides],
-                          cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    """A port nobody listens on now (accelerate launch defaults to 29500, which a concurrent launch may hold)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def explain(result: subprocess.CompletedProcess) -> str:
-    return f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
-
-
-def metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def exact_rows(output_dir: Path) -> list[dict]:
-    """Every logged row, less what measures the machine rather than the training (speeds and memory peaks):
-    the losses, lr, gradient norms, token counts and validation results a resumed run must repeat bit for bit."""
-    return [{k: v for k, v in row.items() if not (k.endswith("_per_s") or k.startswith("peak_"))}
-            for row in metrics(output_dir)]
-
-
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(shard)))
-    return tensors
-
-
-def max_weight_difference(a: Path, b: Path) -> float:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys() and wa
-    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
-
-
-def assert_bitwise_equal_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys() and wa
-    unequal = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert not unequal, f"{len(unequal)} tensors differ, e.g. {unequal[0]}: max {max_weight_difference(a, b)}"
-
-
-def assert_steps_monotone(output_dir: Path, total_steps: int) -> None:
-    """Training rows for steps 1..total exactly once each, in order (no duplicates, no gaps)."""
-    steps = [row["step"] for row in metrics(output_dir) if "loss" in row]
-    assert steps == list(range(1, total_steps + 1))
-
-
-def assert_same_run(output_dir: Path, reference: Path, total_steps: int) -> None:
-    assert_steps_monotone(output_dir, total_steps)
-    assert exact_rows(output_dir) == exact_rows(reference)
-    assert_bitwise_equal_weights(output_dir / "final", reference / "final")
-
-
-def step_dirs(output_dir: Path) -> list[str]:
-    return sorted((p.name for p in output_dir.iterdir() if p.name.startswith("step_")),
-                  key=lambda name: int(name.split("_")[1].split(".")[0]))
+        launcher = accelerate_deepspeed(processes, ZERO2)
+    env = {**(env or {}), "CRASH_AT": crash} if crash else env
+    return run_script(config, output_dir, *overrides, script=RUNNER if crash else TRAIN_SCRIPT, launcher=launcher,
+                      prefix=limit_file_size(max_file_bytes) if max_file_bytes else (), env=env, timeout=timeout)
 
 
 # ---------------------------------------------------------------- a local Hub

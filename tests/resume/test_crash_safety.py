@@ -8,14 +8,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from support.launch import explain
+from support.outputs import assert_same_run, step_dirs
 
 from gpt4all_training.training.checkpoint import (MARKER, check_resumable, find_resume_checkpoint, latest_checkpoint,
                                          rng_state, rotate, set_rng_state, sha256, torch_save, verify)
 from gpt4all_training.errors import UserError
 from gpt4all_training.data.sampling import StepSampler
 
-from .conftest import TOTAL_STEPS
-from .harness import HubServer, assert_same_run, explain, hub_env, run_train, step_dirs
+from .harness import TOTAL_STEPS, HubServer, hub_env, run_train
 
 # The optimiser state of the tiny model is 1.8 MB and its weights 0.9 MB: a 1 MB cap fails the save mid-way.
 SMALL_DISK = 1_000_000
@@ -41,6 +42,8 @@ def test_rotation_keeps_the_newest_complete_and_the_permanent_ones(tmp_path):
     assert step_dirs(tmp_path) == ["step_12", "step_14"]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_newest_valid_checkpoint_skips_interrupted_and_corrupted_ones(reference, tmp_path):
     for name in ("step_16", "step_24", "step_28"):
         shutil.copytree(reference / name, tmp_path / name)
@@ -63,6 +66,8 @@ def test_newest_valid_checkpoint_skips_interrupted_and_corrupted_ones(reference,
     assert said == [f"resume=auto: no complete checkpoint in {tmp_path / 'empty'}; starting fresh"]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_resume_refuses_a_different_order_of_examples(reference):
     import json
 
@@ -83,6 +88,8 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_pushes_nothing(resume_config, reference,
                                                                                   tmp_path):
     out = tmp_path / "run"

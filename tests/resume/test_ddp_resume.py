@@ -15,10 +15,12 @@ weights by 5e-4 or more; a resume that dropped the Adam moments at step 16 moved
 from __future__ import annotations
 
 import pytest
+from support.launch import explain
+from support.outputs import assert_same_run, assert_steps_monotone, exact_rows, max_weight_difference, step_dirs
 
-from .conftest import TOTAL_STEPS
-from .harness import (assert_same_run, assert_steps_monotone, exact_rows, explain, max_weight_difference, run_train,
-                      step_dirs)
+from .harness import TOTAL_STEPS, run_train
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
 DDP = ["batch_size=2"]  # 2 ranks x 2 = the reference's global batch of 4, so step s trains the same examples
 

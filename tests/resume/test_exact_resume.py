@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
+from support.launch import explain
+from support.outputs import assert_same_run, assert_steps_monotone, exact_rows, metrics, step_dirs
+
 from gpt4all_training.training.checkpoint import MARKER, verify
 
-from .conftest import TOTAL_STEPS
-from .harness import (assert_same_run, assert_steps_monotone, exact_rows, explain, metrics, run_train,
-                      step_dirs)
+from .harness import TOTAL_STEPS, run_train
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 KILLED = -signal.SIGKILL
 

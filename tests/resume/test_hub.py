@@ -6,11 +6,13 @@ from __future__ import annotations
 import secrets
 import subprocess
 
-from conftest import PYTHON, REPO
+import pytest
+from support.launch import explain
+from support.paths import PYTHON, REPO
 
 from gpt4all_training.tracking.hub import push_folder
 
-from .harness import HubServer, explain, hub_env, run_train
+from .harness import HubServer, hub_env, run_train
 
 PUSH = ["push_to_hub=true", "save_name=someone/tiny-gptj", "max_steps=3"]
 
@@ -19,6 +21,8 @@ def files_under(folder) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_failing_hub_warns_once_and_training_finishes_without_leaking_the_token(resume_config, tmp_path):
     token = "hf_" + secrets.token_hex(16)
     out = tmp_path / "run"
@@ -37,6 +41,8 @@ def test_failing_hub_warns_once_and_training_finishes_without_leaking_the_token(
     assert not [name for name, data in files_under(out).items() if token.encode() in data]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_working_hub_receives_final_byte_for_byte(resume_config, tmp_path):
     out, store = tmp_path / "run", tmp_path / "hub-store"
     with HubServer(store=store) as hub:
@@ -52,6 +58,7 @@ def test_working_hub_receives_final_byte_for_byte(resume_config, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(uploaded)
 
 
+@pytest.mark.integration
 def test_refused_token_is_not_retried(tmp_path):
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "config.json").write_text("{}")

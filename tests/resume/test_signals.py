@@ -7,13 +7,17 @@ import os
 import signal
 
 import pytest
+from support.launch import explain
+from support.outputs import assert_same_run, exact_rows, step_dirs
 
-from gpt4all_training.training.checkpoint import GracefulStop, verify
+from gpt4all_training.training.checkpoint import verify
+from gpt4all_training.training.stop import GracefulStop
 
-from .conftest import TOTAL_STEPS
-from .harness import assert_same_run, exact_rows, explain, run_train, step_dirs
+from .harness import TOTAL_STEPS, run_train
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_sigterm_then_sigint_checkpoint_exit_and_resume_exactly(resume_config, reference, tmp_path):
     out = tmp_path / "run"
     stopped = run_train(resume_config, out, crash="SIGTERM:6")

@@ -15,10 +15,12 @@ pytest.importorskip("torch_xla")
 
 import shutil  # noqa: E402
 
-import yaml  # noqa: E402
-
 from distributed.runs import (VAL_LOSS_ATOL, accelerate, launch, load_final, max_difference,  # noqa: E402
-                              validation_loss, weights)
+                              validation_loss)
+from support.files import write_config  # noqa: E402
+from support.models import weights  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 16
 # Graphs compiled by the end of each of the 16 steps, measured: 6 on the first step (the count reduction, forward
@@ -32,14 +34,11 @@ SAVE_AT = 8  # a checkpoint at step 8 (and 16), which the resumed run starts fro
 
 @pytest.fixture(scope="module")
 def xla_config(tiny_model_dir, clean_dolly, tmp_path_factory):
-    config = {"model_name": str(tiny_model_dir), "dataset_path": str(clean_dolly), "max_length": 128,
-              "batch_size": 1, "gradient_accumulation_steps": 1, "lr": 3.0e-3, "min_lr": 1.0e-4, "warmup_steps": 2,
-              "weight_decay": 0.1, "max_grad_norm": 1.0, "max_steps": STEPS, "eval_every": None, "eval_steps": None,
-              "save_every": SAVE_AT, "keep_last": None, "val_fraction": 0.05, "seed": 7, "num_proc": 1,
-              "report_to": ["jsonl"]}
-    path = tmp_path_factory.mktemp("xla-config") / "train.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_config(tmp_path_factory.mktemp("xla-config"), {
+        "model_name": str(tiny_model_dir), "dataset_path": str(clean_dolly), "max_length": 128, "batch_size": 1,
+        "gradient_accumulation_steps": 1, "lr": 3.0e-3, "min_lr": 1.0e-4, "warmup_steps": 2, "weight_decay": 0.1,
+        "max_grad_norm": 1.0, "max_steps": STEPS, "eval_every": None, "eval_steps": None, "save_every": SAVE_AT,
+        "keep_last": None, "val_fraction": 0.05, "seed": 7, "num_proc": 1, "report_to": ["jsonl"]})
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,186 @@
+"""The one object through which training, evaluation, checkpoints and inference reach the processes and the device.
+
+`backends.accelerate.build_backend` builds it once from the Accelerator: this class for one process or DDP (GPUs or
+CPUs), `DeepSpeedBackend` (backends/deepspeed.py) and `XlaBackend` (backends/xla.py) where those differ. Nothing
+outside backends/ asks which one it has; it asks what the backend supports (`supports_nan_skip`,
+`supports_grad_norms`, `engine_saves_state`, `partitions_parameters`, `exit_hard`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+
+def to_cpu(value: Any) -> Any:
+    """`value` with every tensor inside its dicts, lists and tuples moved to the CPU (an optimizer's state)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+class Backend:
+    """One process, or DDP over several (accelerate's MULTI_GPU / MULTI_CPU)."""
+
+    # DeepSpeed's engine applies the update inside backward, before the step's loss is known.
+    supports_nan_skip = True
+    # Gradients exist between backward and the optimizer step (under DeepSpeed the engine has consumed them).
+    supports_grad_norms = True
+    # The engine writes weights and optimizer state itself (checkpoint deepspeed/ instead of optimizer.pt).
+    engine_saves_state = False
+    # ZeRO-3: each rank holds only its partition of every parameter.
+    partitions_parameters = False
+
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+
+    # ---------------------------------------------------------------- the processes
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def print(self, *args, **kwargs) -> None:
+        """print on the main process only."""
+        self.accelerator.print(*args, **kwargs)
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction=reduction)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.gather(tensor)
+
+    def wait_for_everyone(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager:
+        """The main process runs the block alone first (filling caches); the others then run it."""
+        return self.accelerator.main_process_first()
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank; a collective when there are several."""
+        if self.world_size == 1:
+            return flag
+        votes = torch.tensor([float(flag)], device=self.device)
+        return self.reduce(votes).item() > 0
+
+    @property
+    def exit_hard(self) -> bool:
+        """Whether the process must leave without interpreter teardown once the run is written (see DeepSpeed)."""
+        return False
+
+    def end(self) -> None:
+        """The end of the run: the process group is taken down. Every rank calls it."""
+        self.accelerator.end_training()
+
+    # ---------------------------------------------------------------- the model and optimizer
+
+    def prepare(self, model, optimizer):
+        return self.accelerator.prepare(model, optimizer)
+
+    def unwrap(self, model):
+        return self.accelerator.unwrap_model(model)
+
+    def stepping_optimizer(self, optimizer) -> torch.optim.Optimizer:
+        """The torch optimizer that applies the updates, for our lr schedule to drive.
+
+        accelerate wraps ours; ZeRO wraps it again; with CPU offload accelerate swaps in DeepSpeedCPUAdam built over
+        the same parameter groups (so weight decay and betas carry over, but a schedule on our object would not).
+        """
+        while hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
+        return optimizer
+
+    @property
+    def scaler(self):
+        """fp16's gradient scaler, or None."""
+        return getattr(self.accelerator, "scaler", None)
+
+    # ---------------------------------------------------------------- inside a training step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.accelerator.autocast()
+
+    @contextlib.contextmanager
+    def micro_batch(self, model, last: bool) -> Iterator[None]:
+        """One micro-batch of an optimizer step. Only the last one synchronizes: DDP skips its all-reduce before it
+        (no_sync), and DeepSpeed, told through sync_gradients, reaches its accumulation boundary and steps there."""
+        accelerator = self.accelerator
+        accelerator.sync_gradients = last
+        try:
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                yield
+        finally:
+            accelerator.sync_gradients = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """accelerator.backward of a loss that is already normalized over the whole step: accelerate divides by its
+        gradient accumulation steps, which may not apply here."""
+        self.accelerator.backward(loss * self.accelerator.gradient_accumulation_steps)
+
+    def clip_grad_norm(self, model, max_norm: float | None) -> float:
+        """The global gradient norm, clipped to `max_norm` (None: measured only)."""
+        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`batch` on this process's device."""
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def step_boundary(self) -> None:
+        """Where one optimizer step (or evaluation batch) ends; only XLA acts on it."""
+
+    def step_metrics(self) -> dict[str, int]:
+        """Backend-specific figures for the training row (XLA: its compilations)."""
+        return {}
+
+    # ---------------------------------------------------------------- saving
+
+    def saveable_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """The model's whole state dict, as safetensors can write it. A collective under ZeRO-3: every rank calls it."""
+        return self.accelerator.get_state_dict(model)
+
+    def optimizer_state_dict(self, optimizer) -> dict[str, Any]:
+        """What optimizer.pt holds."""
+        return optimizer.state_dict()
+
+    def save_engine_state(self, model, folder: Path) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no engine state")
+
+    def load_engine_state(self, model, folder: Path) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no engine state")
+
+    def whole_copy(self, unwrapped, state_dict: dict[str, torch.Tensor]):
+        """A model whose weights are whole and in memory, for merging a LoRA adapter into: `unwrapped` itself here.
+        Main process only."""
+        return unwrapped
+
+
+def rebuilt_copy(unwrapped, state_dict: dict[str, torch.Tensor]):
+    """A whole fp32 CPU copy of the PEFT model `unwrapped`, built from its gathered `state_dict`: what a backend
+    whose in-memory model cannot be merged as it is (partitioned, or on another device) gives whole_copy."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_config(unwrapped.get_base_model().config, dtype=torch.float32)
+    copy = get_peft_model(base, unwrapped.peft_config[unwrapped.active_adapter])
+    copy.load_state_dict(to_cpu(state_dict))
+    return copy

@@ -1,0 +1,38 @@
+"""`gpt4all-training export`: a checkpoint, final/ or adapter as a slim HF folder or one GGUF file."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+from gpt4all_training.export.hf import export
+
+
+def shard_size(text: str) -> str:
+    if not re.fullmatch(r"\d+(\.\d+)?\s*[KMG]i?B", text, flags=re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 500MB or 2GB")
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="source", required=True,
+                        help="a step_N/ checkpoint, final/, an adapter folder, a model folder or a .gguf file")
+    parser.add_argument("--to", required=True, help="output folder (created; must not hold files)")
+    parser.add_argument("--format", choices=("hf", "gguf"), required=True,
+                        help="hf: safetensors folder for transformers; gguf: one file for llama.cpp and GPT4All")
+    parser.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0"),
+                        help="weight type; default bf16 for hf, q8_0 for gguf (q8_0 is gguf only)")
+    parser.add_argument("--base", help="base model for an adapter, overriding adapter_config.json (folder, Hub id "
+                                       "or .gguf file)")
+    parser.add_argument("--max-shard-size", type=shard_size, default="2GB",
+                        help="hf: split weights into files of at most this size (default 2GB)")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    files = export(args.source, args.to, args.format, args.dtype, args.base, args.max_shard_size)
+    for path in files:
+        print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
+    print(f"exported {args.source} as {args.format} in {time.perf_counter() - started:.1f} s")
+    return 0

@@ -1,0 +1,24 @@
+"""`gpt4all-training plan`: the step, memory and time arithmetic of a training config, without loading weights."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpt4all_training.cli.config_options import add_config_arguments
+from gpt4all_training.config.loader import load_config
+from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.preflight.plan import make_plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, TrainConfig, "training config YAML", required=True)
+    parser.add_argument("--gpus", type=int, default=1, help="processes the run will use (default 1)")
+    parser.add_argument("--tokens-per-second", type=float, default=None,
+                        help="throughput of the whole run, for the time estimate (default: measured by an earlier "
+                             "run in output_dir, if any)")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    print(make_plan(config, args.gpus, args.tokens_per_second).describe())
+    return 0

@@ -1,0 +1,341 @@
+"""The blocks of fields the configs are made of, each with the checks that concern needs.
+
+A block is a dataclass of the fields of one concern (where the model comes from, LoRA, the learning-rate schedule,
+...). A config (`config/schemas.py`) inherits the blocks it needs, so its fields stay flat: the YAML keys, `asdict`
+and the constructor see one plain dataclass, and an editor or type checker sees every field of every block.
+Inheritance is used only to collect fields and checks; no block calls another.
+
+`validate` runs, in order: the required keys, the `Literal` choices, then each block's `checks` (the block's own
+ranges), ending with the config's own checks (how its blocks combine). The first failure is one `UserError` line,
+`{key}: {message}, got {value}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Optional
+
+from gpt4all_training.config.fields import choice_error, doc, shown
+from gpt4all_training.errors import UserError
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+PromptTemplate = Literal["auto", "plain", "chat"]
+TrackerName = Literal["wandb", "tensorboard", "jsonl"]
+
+
+class Check(NamedTuple):
+    """`key` is wrong unless `ok`; the error line is `{key}: {message}, got {value}` (without the value: got=False)."""
+    key: str
+    ok: bool
+    message: str
+    got: bool = True
+
+
+class Block:
+    """Base of the blocks and the configs: the field groups for `--help`, and `validate`."""
+
+    def checks(self) -> list[Check]:
+        """This block's own checks (a subclass defines its own; it is never inherited, see `declared_checks`)."""
+        return []
+
+    @classmethod
+    def groups(cls) -> list[tuple[str, list[dataclasses.Field]]]:
+        """(title, fields) per block in field order; the title is the first line of the block's docstring."""
+        fields = dataclasses.fields(cls)
+        out = []
+        for block in field_order_blocks(cls):
+            own = [f for f in fields if f.name in vars(block).get("__annotations__", {})]
+            if own:
+                out.append(((block.__doc__ or block.__name__).strip().splitlines()[0], own))
+        return out
+
+    def required_keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self) if f.metadata.get("required"))
+
+    def to_dict(self) -> dict[str, typing.Any]:
+        return dataclasses.asdict(self)
+
+
+def field_order_blocks(cls: type) -> list[type]:
+    """The blocks of `cls` (itself last), in the order a dataclass lays out their fields: its bases' MRO reversed."""
+    return [c for c in reversed(cls.__mro__) if issubclass(c, Block) and c is not Block]
+
+
+def declared_checks(config: Block) -> list[Check]:
+    """Every block's checks, each block's own only: an inherited `checks` would otherwise run twice."""
+    out = []
+    for block in field_order_blocks(type(config)):
+        own = vars(block).get("checks")
+        if own is not None:
+            out.extend(own(config))
+    return out
+
+
+def validate(config: Block) -> Block:
+    """Required keys, choices and ranges, as one UserError line naming the key. Returns the config."""
+    for key in config.required_keys():
+        if not getattr(config, key):
+            raise UserError(f"{key}: missing; set it in the config or on the command line as {key}=...")
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        error = choice_error(f.name, getattr(config, f.name), hints[f.name], f.metadata)
+        if error is not None:
+            raise error
+    for check in declared_checks(config):
+        if not check.ok:
+            got = f", got {shown(getattr(config, check.key))}" if check.got else ""
+            raise UserError(f"{check.key}: {check.message}{got}")
+    return config
+
+
+def at_least_one(key: str, value: Optional[int], unset: str = "") -> Check:
+    """`value` is unset or >= 1; `unset` words what leaving it unset means, for the message."""
+    return Check(key, value is None or value >= 1, f"must be at least 1{unset}")
+
+
+# ---------------------------------------------------------------- shared by several configs
+
+@dataclass
+class ModelSource(Block):
+    """model: where the weights and the tokenizer come from."""
+    model_name: Optional[str] = doc("Hub id, local folder or .gguf file of the model: the base to train, or a "
+                                    "trained final/, final/merged/ or step_N/model (full model or LoRA adapter). "
+                                    "Required.", required=True)
+    tokenizer_name: Optional[str] = doc("Tokenizer to load; defaults to model_name.")
+    gguf_file: Optional[str] = doc("GGUF file name inside the model_name folder, when the weights are GGUF.")
+    model_revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the model.")
+    trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
+    dtype: Dtype = doc("Precision: float32, bfloat16 or float16. Training autocasts over fp32 master weights; "
+                       "inference and generation load the weights in it.", "float32")
+
+
+@dataclass
+class DataSource(Block):
+    """data source: which records are read."""
+    dataset_path: Optional[str] = doc("A JSONL file (*_clean.jsonl for fine-tuning), a folder of them, or a Hub "
+                                      "dataset id. Required.", required=True)
+    revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the dataset; pin it for reproducible "
+                                  "data.")
+
+
+@dataclass
+class TextField(Block):
+    """raw text: which field of a record holds it."""
+    text_field: Optional[str] = doc("Raw text (causal_lm, tokenizer): the record field holding the text; unset: "
+                                    "'text', else 'content'.")
+
+
+@dataclass
+class Examples(Block):
+    """examples: how records become examples and the train/validation split (inference: the training values)."""
+    streaming: bool = doc("causal_lm: read and tokenize records as training consumes them (needs max_steps). "
+                          "sft (gpt4all compatibility): tokenize in this process (num_proc=1).", False)
+    num_proc: int = doc("Processes for tokenization; capped at the machine's cores.", 4)
+    max_length: int = doc("Longest tokenized example; longer ones are truncated (prompt end kept).", 1024)
+    val_fraction: float = doc("Share of the data held out for validation.", 0.05)
+    seed: int = doc("Seed of the train/validation split; training also seeds the data order and initialization "
+                    "with it.", 42)
+
+    def checks(self) -> list[Check]:
+        return [
+            Check("max_length", self.max_length >= 2, "must be at least 2"),
+            Check("val_fraction", 0 <= self.val_fraction < 1, "must be in [0, 1)"),
+            Check("num_proc", self.num_proc >= 1, "must be at least 1"),
+        ]
+
+
+@dataclass
+class PromptFormat(Block):
+    """prompt: how a prompt is written before the model sees it (inference, generation: the training value)."""
+    prompt_template: PromptTemplate = doc("'plain' (prompt + newline), 'chat' (the tokenizer's chat template) or "
+                                          "'auto'.", "auto", allowed="auto, plain or chat")
+
+
+# ---------------------------------------------------------------- training
+
+@dataclass
+class TrainingCompute(Block):
+    """compute: memory and speed of the training model."""
+    gradient_checkpointing: bool = doc("Recompute activations in the backward pass to save memory.", False)
+    compile: bool = doc("torch.compile the model: slower first steps (compilation), faster later ones.", False)
+
+
+@dataclass
+class LoRA(Block):
+    """LoRA: train an adapter instead of every weight."""
+    lora: bool = doc("Train a LoRA adapter instead of all weights.", False)
+    lora_r: int = doc("LoRA rank.", 8)
+    lora_alpha: int = doc("LoRA scaling numerator (scale = alpha / r).", 16)
+    lora_dropout: float = doc("Dropout on the LoRA input.", 0.05)
+    lora_target_modules: Optional[list[str]] = doc("Module names to adapt; unset means PEFT's default for the model.")
+    merge_lora: bool = doc("Also save the adapter merged into the base (merged in fp32) under final/merged.", False)
+
+    def checks(self) -> list[Check]:
+        return [
+            Check("lora_r", self.lora_r >= 1, "must be at least 1"),
+            Check("lora_dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)"),
+        ]
+
+
+@dataclass
+class Objective(Block):
+    """objective: what the loss trains, and where the starting weights come from."""
+    objective: Literal["sft", "causal_lm"] = doc(
+        "'sft': prompt/response data, loss on the response. 'causal_lm': raw text joined with EOS into rows of "
+        "max_length, loss on every token (pretraining, as CodeParrot).", "sft", allowed="'sft' or 'causal_lm'")
+    init: Literal["pretrained", "from_config"] = doc(
+        "'pretrained': load model_name's weights. 'from_config' (causal_lm only): random weights from "
+        "model_config, vocabulary sized to the tokenizer.", "pretrained", allowed="'pretrained' or 'from_config'")
+    model_config: Optional[str] = doc("init from_config: a local folder, a model type (gptj, llama, ...) or a Hub "
+                                      "id whose config is used; unset: model_name's.")
+    model_config_overrides: Optional[dict] = doc("init from_config: fields set on model_config, e.g. "
+                                                 "{n_layer: 4, n_embd: 256}.")
+    shuffle_buffer: int = doc("causal_lm: rows are shuffled through a buffer of this many, seeded per epoch.", 1000)
+    z_loss: float = doc("causal_lm: add z_loss x log(Z)^2 per token (mesh-transformer-jax used 1e-4); 0: off.", 0.0)
+
+    def checks(self) -> list[Check]:
+        return [
+            Check("init", self.init == "pretrained" or self.objective == "causal_lm",
+                  "from_config needs objective: causal_lm"),
+            Check("shuffle_buffer", self.shuffle_buffer >= 1, "must be at least 1 (1 keeps the stream's order)"),
+            Check("z_loss", self.z_loss >= 0 and math.isfinite(self.z_loss), "must be >= 0"),
+        ]
+
+
+@dataclass
+class Batching(Block):
+    """batches: how examples make micro-batches and optimizer steps."""
+    batch_size: int = doc("Micro-batch size per process.", 8)
+    gradient_accumulation_steps: int = doc("Micro-batches per optimizer step.", 1)
+    packing: bool = doc("Pack each micro-batch's examples into rows of up to max_length (none split; attention and "
+                        "positions restart per example). The steps train on the same examples as without.", False)
+    group_by_length: bool = doc("Batch examples of similar length together (sorted within random groups of 16 "
+                                "steps), so batches pad less; epochs still shuffle.", False)
+
+    def checks(self) -> list[Check]:
+        return [
+            Check("batch_size", self.batch_size >= 1, "must be at least 1"),
+            Check("gradient_accumulation_steps", self.gradient_accumulation_steps >= 1, "must be at least 1"),
+        ]
+
+
+@dataclass
+class Schedule(Block):
+    """schedule: the learning rate at each optimizer step, and how many steps there are."""
+    lr: float = doc("Peak learning rate.", 2.0e-5)
+    min_lr: float = doc("Learning rate at the last step (cosine ends here).", 0.0)
+    warmup_steps: int = doc("Linear warmup length in optimizer steps.", 100)
+    lr_schedule: Literal["cosine", "gpt3"] = doc(
+        "'cosine': warmup, then cosine to min_lr at the last step. 'gpt3' (mesh-transformer-jax): warmup, then a "
+        "half-cosine to end_lr over anneal_steps, then end_lr.", "cosine", allowed="'cosine' or 'gpt3'")
+    anneal_steps: Optional[int] = doc("gpt3 schedule: optimizer steps of the half-cosine after warmup (required "
+                                      "for gpt3; `plan` suggests one).")
+    end_lr: float = doc("gpt3 schedule: the learning rate after annealing, kept until the run ends.", 0.0)
+    num_epochs: int = doc("Passes over the training data.", 1)
+    max_steps: Optional[int] = doc("Stop after this many optimizer steps (for short runs).")
+
+    def checks(self) -> list[Check]:
+        needs_anneal = self.lr_schedule == "gpt3"
+        return [
+            Check("lr", self.lr > 0 and math.isfinite(self.lr), "must be > 0"),
+            Check("min_lr", 0 <= self.min_lr <= self.lr, f"must be between 0 and lr ({self.lr})"),
+            Check("num_epochs", self.num_epochs >= 1, "must be at least 1"),
+            Check("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            Check("anneal_steps", self.anneal_steps is not None and self.anneal_steps >= 1 if needs_anneal
+                  else self.anneal_steps is None or self.anneal_steps >= 1,
+                  "must be at least 1 (lr_schedule: gpt3 needs it)"),
+            Check("end_lr", 0 <= self.end_lr <= self.lr, f"must be between 0 and lr ({self.lr})"),
+            at_least_one("max_steps", self.max_steps),
+        ]
+
+
+@dataclass
+class Optimizer(Block):
+    """optimizer: AdamW's weight decay and gradient clipping."""
+    weight_decay: float = doc("Decoupled weight decay; biases, norms and embeddings are exempt.", 0.0)
+    max_grad_norm: Optional[float] = doc("Clip the global gradient norm to this; unset disables clipping.", 1.0)
+
+    def checks(self) -> list[Check]:
+        return [
+            Check("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+            Check("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm > 0,
+                  "must be > 0 (or unset to disable)"),
+        ]
+
+
+@dataclass
+class Faults(Block):
+    """faults: what a NaN loss or a silent peer does to the run."""
+    nan_policy: Literal["stop", "skip"] = doc(
+        "A step whose loss is NaN or infinite: 'stop' ends the run with an error naming the step; 'skip' drops "
+        "that step's update (gradients zeroed, the step still counts) and counts it as skipped_steps in "
+        "metrics.jsonl and the summary.", "stop", allowed="'stop' or 'skip'")
+    ddp_timeout_s: Optional[int] = doc("Several processes: seconds a rank waits in a collective for the others "
+                                       "before it stops with an error (a rank that died or hangs); unset: torch's "
+                                       "default (NCCL 10 min, gloo 30 min).")
+
+    def checks(self) -> list[Check]:
+        return [at_least_one("ddp_timeout_s", self.ddp_timeout_s, " (or unset)")]
+
+
+@dataclass
+class Evaluation(Block):
+    """evaluation: when validation runs and how much of it."""
+    eval_every: Optional[int] = doc("Validate every N optimizer steps (and at the end); unset: only at the end.", 500)
+    eval_steps: Optional[int] = doc("At most this many validation batches; unset: all.")
+
+    def checks(self) -> list[Check]:
+        return [at_least_one("eval_steps", self.eval_steps),
+                at_least_one("eval_every", self.eval_every, " (or unset to disable)")]
+
+
+@dataclass
+class Checkpoints(Block):
+    """checkpoints: where the run writes, what it keeps, and where it resumes from."""
+    save_every: Optional[int] = doc("Checkpoint every N optimizer steps; unset: no intermediate checkpoints.", 500)
+    keep_last: Optional[int] = doc("Keep the newest N checkpoints; unset keeps all.", 2)
+    keep_every: Optional[int] = doc("Also keep, permanently, the checkpoints at multiples of N steps.")
+    output_dir: str = doc("Where checkpoints, final/, metrics.jsonl and report.html go.", "ckpts/run")
+    checkpoint: Optional[str] = doc("A step_N folder to resume from.")
+    resume: Optional[Literal["auto"]] = doc(
+        "'auto': resume from the newest complete checkpoint in output_dir, or start fresh when there is none. "
+        "Unset: start fresh (checkpoint=PATH still resumes).",
+        allowed="'auto' or unset; to resume from a folder use checkpoint=PATH")
+
+    def checks(self) -> list[Check]:
+        return [at_least_one("keep_last", self.keep_last), at_least_one("keep_every", self.keep_every, " (or unset)"),
+                at_least_one("save_every", self.save_every, " (or unset to disable)")]
+
+
+@dataclass
+class Logging(Block):
+    """logging: which metrics are written where, and how often."""
+    log_every: int = doc("Log training metrics every N optimizer steps.", 1)
+    log_grads_every: Optional[int] = doc("With wandb: log gradient histograms every N steps.", 100)
+    log_lr_every: Optional[int] = doc("gpt4all compatibility; the lr is logged with every training row.", 1)
+    report_to: list[TrackerName] = doc("Any of wandb, tensorboard, jsonl.", factory=lambda: ["jsonl"])
+    wandb: bool = doc("gpt4all compatibility: same as adding 'wandb' to report_to.", False)
+    wandb_entity: Optional[str] = doc("wandb entity (team or user).")
+    wandb_project_name: Optional[str] = doc("wandb project.", "gpt4all-training")
+
+    def __post_init__(self) -> None:
+        if self.wandb and "wandb" not in self.report_to:
+            self.report_to = [*self.report_to, "wandb"]
+
+    def checks(self) -> list[Check]:
+        return [Check("log_every", self.log_every >= 1, "must be at least 1"),
+                at_least_one("log_grads_every", self.log_grads_every, " (or unset to disable)"),
+                at_least_one("log_lr_every", self.log_lr_every, " (or unset to disable)")]
+
+
+@dataclass
+class Publishing(Block):
+    """publishing: pushing final/ to the Hub."""
+    push_to_hub: bool = doc("Push final/ to the Hub as save_name when training succeeds.", False)
+    save_name: Optional[str] = doc("Hub repo id for push_to_hub.")
+
+    def checks(self) -> list[Check]:
+        return [Check("push_to_hub", not self.push_to_hub or bool(self.save_name), "needs save_name (the Hub repo id)")]

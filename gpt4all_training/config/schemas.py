@@ -1,0 +1,133 @@
+"""The four configs: training, inference, generation and tokenizer training, each made of blocks of fields.
+
+Every key gpt4all's configs used is accepted by `TrainConfig` with the same meaning; every key has a default except
+the required ones (`model_name`, `dataset_path`). The blocks (`config/blocks.py`) hold the fields and checks that
+several configs share; a config adds its own fields and the checks of how its blocks combine.
+
+A dataclass lays out the fields of its bases from the last base to the first, so each config lists its blocks
+last-first: the YAML keys, `asdict` and `--help` then read in the order of the blocks' concerns, model first.
+The first line of a config's docstring titles its own fields in `--help`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from gpt4all_training.config.blocks import (Batching, Check, Checkpoints, DataSource, Evaluation, Examples, Faults,
+                                            LoRA, Logging, ModelSource, Objective, Optimizer, PromptFormat,
+                                            Publishing, Schedule, TextField, TrainingCompute, at_least_one)
+from gpt4all_training.config.fields import doc
+
+# The tokenizer's end-of-text token: the first special token by default.
+EOS = "<|endoftext|>"
+# Held-out records for the tokenizer statistics are every HELDOUT_STRIDE-th record, so they spread over the stream.
+HELDOUT_STRIDE = 10
+
+
+@dataclass
+class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimizer, Schedule, Batching, PromptFormat,
+                  Examples, DataSource, TextField, Objective, LoRA, TrainingCompute, ModelSource):
+    """training: a fine-tuning or pretraining run (`train`; `data`, `plan` and `check` read the same config)."""
+
+    def required_keys(self) -> tuple[str, ...]:
+        # init from_config builds the model from model_config: there is no base model to name.
+        return tuple(k for k in super().required_keys() if k != "model_name" or self.init == "pretrained")
+
+    def checks(self) -> list[Check]:
+        scratch = self.init == "from_config"
+        sft = self.objective == "sft"
+        return [
+            Check("init", not scratch or not self.lora, "from_config trains every weight; set lora: false"),
+            Check("model_config", not scratch or bool(self.model_config or self.model_name),
+                  "init from_config needs model_config (a folder, a model type such as gptj, or a Hub id)"),
+            Check("tokenizer_name", not scratch or bool(self.tokenizer_name or self.model_name),
+                  "init from_config needs tokenizer_name (e.g. a folder written by `gpt4all-training tokenizer`)"),
+            Check("packing", sft or not self.packing, "causal_lm rows are already max_length long; set false"),
+            Check("group_by_length", sft or not self.group_by_length, "causal_lm rows all have one length"),
+            Check("max_steps", sft or not self.streaming or self.max_steps is not None,
+                  "streaming causal_lm needs max_steps (a stream's length is unknown until it ends)"),
+        ]
+
+
+@dataclass
+class InferenceConfig(PromptFormat, Examples, DataSource, ModelSource):
+    """inference: batching, pooling and where the results go.
+
+    `gpt4all-training inference`. The data keys must equal the training config's, or the split and the tokens
+    differ from what training saw.
+    """
+    batch_size: int = doc("Examples per forward pass, per process.", 8)
+    pooling: Literal["last", "mean"] = doc("Embedding: 'last' (hidden state of the last real token) or 'mean' "
+                                           "(over real tokens).", "last")
+    output_dir: str = doc("Where inference.parquet and inference.json go.", "ckpts/inference")
+
+    def checks(self) -> list[Check]:
+        return [Check("batch_size", self.batch_size >= 1, "must be at least 1")]
+
+
+@dataclass
+class GenerateConfig(PromptFormat, ModelSource):
+    """generation: sampling, and where the prompts come from.
+
+    `gpt4all-training generate`.
+    """
+    max_new_tokens: int = doc("Most tokens generated per prompt (EOS and stop strings end it sooner).", 256)
+    temperature: float = doc("Divides the logits; 0 means greedy (argmax).", 0.7)
+    top_p: float = doc("Nucleus sampling: keep the most likely tokens whose probabilities sum to top_p; 1 keeps all.",
+                       0.95)
+    top_k: int = doc("Keep only the k most likely tokens; 0 keeps all.", 0)
+    repetition_penalty: float = doc("CTRL's penalty on tokens already in the prompt or output; 1 disables it.", 1.0)
+    stop: list[str] = doc("Stop a response once it contains any of these strings (they are cut off).",
+                          factory=list)
+    seed: int = doc("Seed of the sampling generator: the same seed and prompts give the same text.", 0)
+    batch_size: int = doc("Prompts generated together (left-padded).", 8)
+    prompt: Optional[str] = doc("One prompt to answer (or pass --prompt).")
+    prompts_file: Optional[str] = doc("A file of prompts: one per line, or JSONL with a 'prompt' field "
+                                      "(or pass --prompts-file). Output is JSONL.")
+
+    def checks(self) -> list[Check]:
+        return [
+            Check("max_new_tokens", self.max_new_tokens >= 1, "must be at least 1"),
+            Check("temperature", self.temperature >= 0, "must be >= 0 (0 is greedy)"),
+            Check("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            Check("top_k", self.top_k >= 0, "must be >= 0 (0 keeps all)"),
+            Check("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 disables it)"),
+            Check("batch_size", self.batch_size >= 1, "must be at least 1"),
+            Check("prompts_file", not (self.prompt and self.prompts_file), "give either prompt or prompts_file, not both"),
+            Check("stop", all(self.stop), "empty stop strings would end every response at once; remove them",
+                  got=False),
+        ]
+
+
+@dataclass
+class TokenizerConfig(TextField, DataSource):
+    """tokenizer: the vocabulary to learn and the statistics to report.
+
+    `gpt4all-training tokenizer`: a byte-level BPE trained on the records' text (a Hub dataset is streamed).
+    """
+    split: str = doc("Split of a Hub dataset.", "train")
+    max_examples: Optional[int] = doc("Train on at most this many records; unset: all of them.")
+    vocab_size: int = doc("Vocabulary size, special tokens and the 256 byte tokens included.", 32768)
+    min_frequency: int = doc("A pair is merged only if it occurs at least this often.", 2)
+    special_tokens: list[str] = doc("Special tokens; the first is EOS (and BOS and UNK, as GPT-2's).",
+                                    factory=lambda: [EOS])
+    split_indentation: bool = doc("Make a line's leading spaces/tabs a piece of their own, so indentation runs "
+                                  "can become single tokens (for code). Text still round-trips exactly.", True)
+    code_language: Optional[Literal["python"]] = doc("For code: 'python' also reports whether its keywords and "
+                                                     "common indentation runs are single tokens.")
+    heldout_size: int = doc(f"Records held out of training for the statistics (every {HELDOUT_STRIDE}th record, "
+                            f"up to this many); 0: no statistics.", 200)
+    output_dir: str = doc("Folder the tokenizer is saved to (save_pretrained).", "tokenizers/bpe")
+
+    def checks(self) -> list[Check]:
+        n_special = len(self.special_tokens)
+        return [
+            Check("vocab_size", self.vocab_size >= 256 + n_special,
+                  f"must be at least 256 + {n_special} (the byte alphabet and the special tokens)"),
+            Check("min_frequency", self.min_frequency >= 1, "must be at least 1"),
+            Check("special_tokens", n_special >= 1 and all(self.special_tokens),
+                  "needs at least one non-empty token (the first is EOS)"),
+            Check("heldout_size", self.heldout_size >= 0, "must be >= 0"),
+            at_least_one("max_examples", self.max_examples, " (or unset)"),
+        ]

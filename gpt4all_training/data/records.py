@@ -1,0 +1,203 @@
+"""Reading records: a local JSONL file or folder, or a Hub dataset; a bad record is a UserError naming file and line.
+
+Two ways in, for the two sizes of the question:
+- one record at a time (`iter_records`): a local JSONL file line by line, a Hub dataset with `streaming=True`, so a
+  corpus larger than memory is never loaded whole (raw-text streams, tokenizer training, `check`);
+- a whole `datasets.Dataset` (`load_table`, `load_records`): cached and mapped in parallel (fine-tuning data, raw
+  text loaded up front, inference). When datasets cannot read local JSONL, the first bad line is found by
+  `iter_records`, since datasets' own error names neither file nor line.
+
+A record's text is its `text_field`, or, when that is unset, its `text` or `content` field (CodeParrot's name).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from gpt4all_training.data.clean import is_text
+from gpt4all_training.errors import UserError
+
+TEXT_FIELDS = ("text", "content")
+
+
+# ---------------------------------------------------------------- where the records are
+
+def local_text_files(dataset_path: str) -> Optional[list[Path]]:
+    """The JSONL files a local `dataset_path` names (a file, or a folder's *.jsonl sorted), or None if not local."""
+    path = Path(dataset_path).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise UserError(f"dataset_path: no *.jsonl files in {path}")
+        return files
+    if path.suffix in (".jsonl", ".json") or dataset_path.startswith((".", "/", "~")):
+        raise UserError(f"dataset_path: {dataset_path} does not exist")
+    return None
+
+
+def local_data_files(path: Path) -> list[str] | None:
+    """The *_clean.jsonl files `dataset_path` names locally, or None when it is not local clean data."""
+    if path.is_file():
+        return [str(path)]
+    if path.is_dir():
+        files = sorted(glob.glob(str(path / "*_clean.jsonl")))
+        return files or None
+    return None
+
+
+def cannot_load(dataset_path: str, exc: Exception) -> UserError:
+    return UserError(f"dataset_path {dataset_path}: cannot load ({str(exc).splitlines()[0][:200]})")
+
+
+# ---------------------------------------------------------------- one record at a time
+
+def iter_records(dataset_path: str, revision: Optional[str] = None, split: str = "train", start: int = 0
+                 ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) pairs in stored order from record number `start` on (the ones before it are skipped without
+    being parsed); `where` is `file:line` or `dataset record N` for error messages."""
+    files = local_text_files(dataset_path)
+    if files is not None:
+        skip = start
+        for file in files:
+            with open(file, "rb") as f:
+                for number, raw in enumerate(f, start=1):
+                    if not raw.strip():
+                        continue
+                    if skip:
+                        skip -= 1
+                        continue
+                    try:
+                        record = json.loads(raw.decode("utf-8"))
+                    except UnicodeDecodeError:
+                        raise UserError(f"{file}:{number}: not UTF-8 text; re-encode the file as UTF-8") from None
+                    except json.JSONDecodeError as exc:
+                        raise UserError(f"{file}:{number}: not valid JSON ({exc.msg}); fix or remove the line") \
+                            from None
+                    if not isinstance(record, dict):
+                        raise UserError(f"{file}:{number}: expected a JSON object per line")
+                    yield f"{file}:{number}", record
+        return
+    import datasets
+
+    try:
+        stream = datasets.load_dataset(dataset_path, revision=revision, split=split, streaming=True)
+        for number, record in enumerate(stream.skip(start) if start else stream, start=start):
+            yield f"{dataset_path} record {number}", record
+    except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
+        raise cannot_load(dataset_path, exc) from None
+
+
+def record_text(where: str, record: dict[str, Any], text_field: Optional[str]) -> str:
+    """The record's text: `text_field`, or the first of `text`/`content` when unset."""
+    names = (text_field,) if text_field else TEXT_FIELDS
+    for name in names:
+        if name in record:
+            value = record[name]
+            if value is None:
+                return ""  # a null text is an empty one, as a datasets column reads it
+            if not isinstance(value, str):
+                raise UserError(f"{where}: field {name!r} is {type(value).__name__}, not text")
+            return value
+    wanted = f"field {text_field!r}" if text_field else "a 'text' or 'content' field"
+    raise UserError(f"{where}: no {wanted} (fields: {', '.join(map(str, record)) or 'none'}); set text_field")
+
+
+def iter_texts(dataset_path: str, revision: Optional[str] = None, text_field: Optional[str] = None,
+               split: str = "train", start: int = 0) -> Iterator[str]:
+    """Every record's text from record `start` on, in stored order (empty texts included: callers decide what they
+    mean)."""
+    for where, record in iter_records(dataset_path, revision, split, start):
+        yield record_text(where, record, text_field)
+
+
+def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) of prompt/response data: local *_clean.jsonl line by line, or a Hub dataset's rows."""
+    path = Path(dataset_path).expanduser()
+    files = local_data_files(path)
+    if path.is_dir() and files is None:
+        raise UserError(f"dataset_path {dataset_path}: no *_clean.jsonl files in the folder; run clean.py on the raw "
+                        f"data first")
+    if files is not None:
+        for file in files:
+            yield from iter_records(file)
+        return
+    for number, record in enumerate(load_records(dataset_path)):  # a Hub id (raises a one-line UserError)
+        yield f"{dataset_path} record {number}", record
+
+
+def first_bad_line(files: Sequence[str]) -> str | None:
+    """What is wrong with the first line of `files` that is not a JSON object of valid text, naming the file and the
+    line, or None. Run only after datasets failed to read them: its own error names neither."""
+    for file in files:
+        try:
+            for where, record in iter_records(file):
+                if not all(is_text(v) for v in record.values() if isinstance(v, str)):
+                    return f"{where}: text with a lone surrogate, which is not valid Unicode; run clean.py on it first"
+        except UserError as exc:
+            return str(exc)
+    return None
+
+
+# ---------------------------------------------------------------- a whole dataset
+
+def unreadable_jsonl(dataset_path: str, files: Sequence[str] | None, exc: Exception, advice: str) -> UserError:
+    """The error for JSONL that datasets could not read: the first bad line by file and line, else datasets' own."""
+    bad_line = first_bad_line(files) if files else None
+    if bad_line:
+        return UserError(bad_line)
+    cause = exc.__cause__ or exc
+    return UserError(f"dataset_path {dataset_path}: unreadable JSONL ({str(cause).splitlines()[0][:200]}); {advice}")
+
+
+def load_table(dataset_path: str, revision: Optional[str], files: Sequence[str] | None, advice: str):
+    """`dataset_path` as one `datasets.Dataset`: the local JSONL `files`, or (None) a Hub dataset id, where
+    `revision` pins the exact data, or a local dataset repository folder. `advice` ends the error for a bad line."""
+    import datasets
+
+    try:
+        if files is not None:
+            return datasets.load_dataset("json", data_files=list(files), split="train")
+        return datasets.load_dataset(dataset_path, revision=revision, split="train")
+    except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
+        raise cannot_load(dataset_path, exc) from None
+    except datasets.exceptions.DatasetGenerationError as exc:
+        raise unreadable_jsonl(dataset_path, files, exc, advice) from None
+
+
+def load_records(dataset_path: str, revision: str | None = None):
+    """Prompt/response data as a `datasets.Dataset` with at least prompt and response columns, plus a stable
+    `index` column."""
+    path = Path(dataset_path).expanduser()
+    files = local_data_files(path)
+    if revision and path.exists():
+        # Local data has no revisions: datasets 5.2 reads a folder's current files whatever the revision (even in
+        # a git repository). Say so rather than let a pin look effective.
+        warnings.warn(f"revision {revision!r} is ignored for the local path {dataset_path}", stacklevel=2)
+    if files is None and (path.suffix in (".jsonl", ".json")
+                          or dataset_path.startswith((".", "/", "~")) and not path.exists()):
+        raise UserError(f"dataset_path: {dataset_path} does not exist")
+    ds = load_table(dataset_path, revision, files, "run clean.py on it first")
+    missing = [c for c in ("prompt", "response") if c not in ds.column_names]
+    if missing:
+        raise UserError(f"dataset_path {dataset_path}: records lack the field {missing[0]!r}; run clean.py first")
+    return ds.add_column("index", list(range(len(ds))))
+
+
+def text_column(ds, dataset_path: str, text_field: Optional[str]) -> str:
+    """The column of `ds` that holds the records' text: `text_field`, or the first of `text`/`content`."""
+    names = (text_field,) if text_field else TEXT_FIELDS
+    for name in names:
+        if name in ds.column_names:
+            dtype = getattr(ds.features[name], "dtype", None)
+            if dtype not in ("string", "large_string"):
+                raise UserError(f"dataset_path {dataset_path}: field {name!r} holds {dtype or 'non-text values'}, "
+                                f"not text; set text_field")
+            return name
+    wanted = f"field {text_field!r}" if text_field else "a 'text' or 'content' field"
+    raise UserError(f"dataset_path {dataset_path}: no {wanted} (fields: {', '.join(ds.column_names)}); set text_field")

@@ -1,0 +1,51 @@
+"""A randomly initialized model built from a config (`init: from_config`), its vocabulary sized to the tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.errors import UserError
+
+
+def resolve_model_config(config: TrainConfig, tokenizer):
+    """`model_config` (a local folder, a model type such as 'gptj', or a Hub id; default model_name) with
+    `model_config_overrides` applied, and the vocabulary and special tokens of the tokenizer."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    source = config.model_config or config.model_name
+    try:
+        if Path(source).expanduser().is_dir():
+            model_config = AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+        elif source in CONFIG_MAPPING:
+            model_config = AutoConfig.for_model(source)
+        else:
+            model_config = AutoConfig.from_pretrained(source, revision=config.model_revision,
+                                                      trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model_config {source}: cannot read it ({str(exc).splitlines()[0][:200]}); give a local "
+                        f"folder, a model type such as gptj or llama, or a Hub id") from None
+    text = model_config.get_text_config()
+    for key, value in (config.model_config_overrides or {}).items():
+        if not hasattr(text, key):
+            raise UserError(f"model_config_overrides: {key!r} is not a field of {type(text).__name__}")
+        setattr(text, key, value)
+    text.vocab_size = len(tokenizer)  # the vocabulary follows the tokenizer, whatever the base config said
+    for kind in ("bos", "eos", "pad"):
+        setattr(text, f"{kind}_token_id", getattr(tokenizer, f"{kind}_token_id"))
+    return model_config
+
+
+def build_model_from_config(config: TrainConfig, tokenizer):
+    """A randomly initialised AutoModelForCausalLM (seeded by the caller's torch seed), in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(resolve_model_config(config, tokenizer), dtype=torch.float32,
+                                             trust_remote_code=config.trust_remote_code)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model

@@ -1,0 +1,233 @@
+"""What a run trains on and how it is scored, chosen once from `config.objective`.
+
+An objective is a small object behind the `Objective` protocol: its data, its model, its sampler, how a micro-batch
+is fetched, its loss and per-window metrics, what `plan` counts and what `check` reads. `objective_for(config)` is the
+one place that reads `config.objective`; train(), plan and check each call it once. Adding an objective means adding
+a class here (and its choice to the config), never touching the loop.
+
+- "sft": prompt/response records, the loss on the response (data/sft.py).
+- "causal_lm": raw text joined with EOS and cut into rows of max_length, every token trained (data/text.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from gpt4all_training.data.batching import batch_fetcher, fetch_rows
+from gpt4all_training.data.records import finetune_records, iter_records, record_text
+from gpt4all_training.data.sampling import StepSampler, row_sampler
+from gpt4all_training.data.sft import load_data
+from gpt4all_training.data.text import load_pretrain_data
+from gpt4all_training.errors import UserError
+from gpt4all_training.model.from_config import build_model_from_config
+from gpt4all_training.model.loading import load_model
+from gpt4all_training.training.counts import DataPlan, TokenCounts, count_run_tokens, run_layout
+from gpt4all_training.training.loss import CausalLMLoss, token_loss_sum
+
+Batch = dict[str, torch.Tensor]
+# Prompt/response fields every fine-tuning record needs.
+FINETUNE_FIELDS = ("prompt", "response")
+
+
+@dataclass
+class Data:
+    train: Any  # what the sampler's indices pick from: a tokenized dataset, or a row store
+    val: Any  # a tokenized dataset of input_ids and labels (evaluate_loss reads it)
+    train_stats: Any  # each has describe(name), the line the loop prints
+    val_stats: Any
+
+
+@dataclass
+class RecordScan:
+    """What `check` learns from reading the records: how many, a sample for its dry run (which needs `min_sample`
+    of them), which fields were read."""
+    count: int
+    sample: list[dict[str, Any]]
+    min_sample: int
+    fields: str
+
+
+class Objective(Protocol):
+    name: str
+    example_noun: str  # what one sampled example is: "examples" or "rows"
+    dry_run_file: str  # the name `check` gives its sample, so that the data loader reads it as this objective's
+    loss: Callable[[Any, Batch], torch.Tensor]  # sum of token losses of a micro-batch; the loop normalizes
+
+    def load_data(self, config, tokenizer, log: Callable[[str], Any], world_size: int) -> Data: ...
+
+    def build_model(self, config, tokenizer): ...
+
+    def sampler(self, config, data: Data, world_size: int, rank: int): ...
+
+    def fetch(self, dataset, indices: list[int], pad_id: int) -> Batch: ...
+
+    def window_metrics(self, backend) -> dict[str, float]: ...
+
+    def steps_line(self, sampler, total_steps: int, num_epochs: int) -> str: ...
+
+    def plan_counts(self, config, data: Data, sampler, total_steps: int) -> DataPlan: ...
+
+    def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan: ...
+
+    def dry_run_size(self, summary: dict[str, Any], sample: list[dict[str, Any]]) -> str: ...
+
+
+def pretrained_model(config):
+    """model_name's weights in fp32 (the master weights, whatever the compute dtype)."""
+    return load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                      torch.float32, config.gradient_checkpointing)
+
+
+def epochs_line(sampler, total_steps: int, num_epochs: int) -> str:
+    return (f"{total_steps} optimiser steps: {sampler.steps_per_epoch} per epoch x {num_epochs} epochs "
+            f"(global batch {sampler.examples_per_step} examples)")
+
+
+def record_problem(record: dict[str, Any], fields: tuple[str, ...]) -> str | None:
+    for name in fields:
+        if name not in record:
+            present = ", ".join(map(str, record)) or "none"
+            return f"no {name!r} field (fields: {present}); run clean.py on the raw data first"
+        if not isinstance(record[name], str):
+            return f"field {name!r} is {type(record[name]).__name__}, not text"
+    return None
+
+
+class FineTuning:
+    """"sft": prompt/response examples, padded (or packed) to their micro-batch, trained on the response."""
+
+    name = "sft"
+    example_noun = "examples"
+    dry_run_file = "check_clean.jsonl"
+
+    def __init__(self, config) -> None:
+        self.fetch = batch_fetcher(config.packing, config.max_length)
+        self.loss = token_loss_sum
+
+    def load_data(self, config, tokenizer, log, world_size: int) -> Data:
+        (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
+        return Data(train, val, train_stats, val_stats)
+
+    def build_model(self, config, tokenizer):
+        return pretrained_model(config)
+
+    def sampler(self, config, data: Data, world_size: int, rank: int) -> StepSampler:
+        return StepSampler(len(data.train), config.batch_size, world_size, rank, config.gradient_accumulation_steps,
+                           config.seed, lengths=data.train["length"] if config.group_by_length else None)
+
+    def window_metrics(self, backend) -> dict[str, float]:
+        return {}
+
+    def steps_line(self, sampler, total_steps: int, num_epochs: int) -> str:
+        return epochs_line(sampler, total_steps, num_epochs)
+
+    def plan_counts(self, config, data: Data, sampler, total_steps: int) -> DataPlan:
+        train = data.train
+        lengths = np.asarray(train["length"], dtype=np.int64)
+        n_trained = np.asarray(train["n_trained"], dtype=np.int64)
+        return DataPlan(train_examples=len(train), val_examples=len(data.val), epoch_tokens=int(lengths.sum()),
+                        epoch_trained=int(n_trained.sum()), examples_per_step=sampler.examples_per_step,
+                        steps_per_epoch=sampler.steps_per_epoch,
+                        dropped_per_epoch=len(train) - sampler.steps_per_epoch * sampler.examples_per_step,
+                        total_steps=total_steps,
+                        run=count_run_tokens(run_layout(sampler, total_steps), lengths, n_trained, config.max_length))
+
+    def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
+        """Every record has a prompt and a response; the first `sample_size` with a response are the sample."""
+        sample, count = [], 0
+        for where, record in finetune_records(config.dataset_path):
+            problem = record_problem(record, FINETUNE_FIELDS)
+            if problem:
+                raise UserError(f"{where}: {problem}")
+            count += 1
+            if len(sample) < sample_size and record["response"]:
+                sample.append({"prompt": record["prompt"], "response": record["response"], "source": "check"})
+        return RecordScan(count, sample, sample_size, ", ".join(FINETUNE_FIELDS))
+
+    def dry_run_size(self, summary: dict[str, Any], sample: list[dict[str, Any]]) -> str:
+        return f"{len(sample)} examples"
+
+
+class CausalLM:
+    """"causal_lm": raw text cut into rows of max_length, every position trained but each row's first; optionally
+    built from a config (init: from_config) and with a z-loss."""
+
+    name = "causal_lm"
+    example_noun = "rows"
+    dry_run_file = "check.jsonl"
+
+    def __init__(self, config) -> None:
+        self.fetch = fetch_rows
+        self.loss = CausalLMLoss(config.z_loss)
+
+    def load_data(self, config, tokenizer, log, world_size: int) -> Data:
+        (train, val), (train_stats, val_stats) = load_pretrain_data(config, tokenizer, log, world_size=world_size)
+        return Data(train, val, train_stats, val_stats)
+
+    def build_model(self, config, tokenizer):
+        if config.init == "from_config":
+            return build_model_from_config(config, tokenizer)  # random weights, seeded by the caller
+        return pretrained_model(config)
+
+    def sampler(self, config, data: Data, world_size: int, rank: int) -> StepSampler:
+        return row_sampler(data.train, config.batch_size, world_size, rank, config.gradient_accumulation_steps,
+                           config.seed, config.max_steps)
+
+    def window_metrics(self, backend) -> dict[str, float]:
+        return self.loss.window_metrics(backend)  # train/last_loss, train/z_loss (a collective)
+
+    def steps_line(self, sampler, total_steps: int, num_epochs: int) -> str:
+        if sampler.store.streaming:  # a stream's passes are unknown until each one ends
+            return (f"{total_steps} optimiser steps (max_steps) over the stream, passing over it as often as that "
+                    f"takes (global batch {sampler.examples_per_step} rows)")
+        return epochs_line(sampler, total_steps, num_epochs)
+
+    def plan_counts(self, config, data: Data, sampler, total_steps: int) -> DataPlan:
+        """Rows are all max_length long and trained but their first position. A stream is read through once to
+        count a pass's rows (training does not: it runs max_steps)."""
+        store, stats = data.train, data.train_stats
+        if store.streaming:
+            stats = store.read_pass()
+        rows = total_steps * sampler.examples_per_step
+        tokens = rows * config.max_length
+        trained = rows * (config.max_length - 1)
+        return DataPlan(train_examples=stats.rows, val_examples=len(data.val),
+                        epoch_tokens=stats.rows * config.max_length, epoch_trained=stats.rows * (config.max_length - 1),
+                        examples_per_step=sampler.examples_per_step, steps_per_epoch=stats.steps,
+                        dropped_per_epoch=stats.dropped_rows, total_steps=total_steps,
+                        run=TokenCounts(examples=rows, tokens=tokens, trained=trained, padded=tokens, packed=tokens,
+                                        packed_sampled=rows // config.batch_size, packed_real=tokens),
+                        notes=[f"causal_lm: examples are rows of {config.max_length} tokens, all trained but the "
+                               f"first"])
+
+    def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
+        """Every record has text; the first records with text_factor x max_length characters are the sample (two
+        rows or more). A stream is read up to `stream_limit` records: it may be larger than any check should read."""
+        sample, count, chars = [], 0, 0
+        for where, record in iter_records(config.dataset_path, config.revision):
+            text = record_text(where, record, config.text_field)
+            count += 1
+            if chars < text_factor * config.max_length and text:
+                sample.append({"text": text})
+                chars += len(text)
+            if config.streaming and count == stream_limit:
+                break
+        fields = config.text_field or "text/content"
+        if config.streaming and count == stream_limit:
+            fields += f" (the first {count:,} of the stream checked)"
+        return RecordScan(count, sample, 1, fields)
+
+    def dry_run_size(self, summary: dict[str, Any], sample: list[dict[str, Any]]) -> str:
+        return f"{summary['train_examples']} rows"  # the sample's text, cut into rows
+
+
+OBJECTIVES: dict[str, Callable[[Any], Objective]] = {"sft": FineTuning, "causal_lm": CausalLM}
+
+
+def objective_for(config) -> Objective:
+    """The objective `config.objective` names, built for this config."""
+    return OBJECTIVES[config.objective](config)

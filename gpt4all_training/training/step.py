@@ -1,0 +1,72 @@
+"""One optimizer step over this rank's micro-batches.
+
+The loss of an optimizer step is token-weighted over everything the step trains on: the sum of token losses of all
+its micro-batches on all ranks, divided by their total count of trained tokens. So batch 4 x accumulation 1, batch
+1 x accumulation 4 and 2 ranks x batch 2 all take the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gpt4all_training.batch import real_token_count, trained_token_count
+from gpt4all_training.errors import TrainingError
+from gpt4all_training.training.loss import token_loss_sum
+
+# The optimizer's parameter groups in the order model.loading.param_groups builds them.
+PARAM_GROUP_NAMES = ("decay", "no_decay")
+
+
+def group_grad_norms(optimizer) -> dict[str, torch.Tensor]:
+    """Per parameter group, the gradient norm of each of its parameters (float32, on the CPU)."""
+    norms = {}
+    for i, group in enumerate(optimizer.param_groups):
+        name = PARAM_GROUP_NAMES[i] if i < len(PARAM_GROUP_NAMES) else f"group{i}"
+        grads = [p.grad.detach().float().norm() for p in group["params"] if p.grad is not None]
+        if grads:
+            norms[name] = torch.stack(grads).cpu()
+    return norms
+
+
+def train_step(model, batches: list[dict[str, torch.Tensor]], backend, optimizer, scheduler,
+               max_grad_norm: float | None, step: int, loss_fn=token_loss_sum, nan_policy: str = "stop",
+               grad_norms: bool = False) -> dict[str, Any]:
+    """One optimizer step. Returns the global, token-weighted step loss and counts; with `grad_norms`, also
+    "group_grad_norms" (group_grad_norms before clipping) when the gradients are finite.
+
+    A non-finite loss stops the run, or with nan_policy "skip" drops this step's update: every rank sees the same
+    reduced loss, so all of them skip together, and the scheduler still steps (the lr stays a function of the step).
+    """
+    local = torch.tensor([sum(trained_token_count(b) for b in batches),
+                          sum(real_token_count(b) for b in batches),
+                          sum(b["input_ids"].numel() for b in batches)], dtype=torch.float64, device=backend.device)
+    n_trained, n_real, n_padded = backend.reduce(local).tolist()
+    # DDP averages gradients over ranks; scaling by the world size makes the result sum/global-count exactly.
+    scale = backend.world_size / max(n_trained, 1.0)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
+    for i, batch in enumerate(batches):
+        batch = backend.to_device(batch)  # under XLA padded to a fixed width bucket: no recompiles
+        with backend.micro_batch(model, last=i == len(batches) - 1):
+            with backend.autocast():
+                micro_loss = loss_fn(model, batch)
+            backend.backward(micro_loss * scale)
+        loss_sum += micro_loss.detach().double()
+    loss = (backend.reduce(loss_sum) / max(n_trained, 1.0)).item()
+    skipped = not math.isfinite(loss)
+    if skipped and nan_policy != "skip":
+        raise TrainingError(f"step {step + 1}: the loss is {loss}; lower lr, check the data, or use float32")
+    result: dict[str, Any] = {}
+    if grad_norms and not skipped:
+        result["group_grad_norms"] = group_grad_norms(optimizer)
+    grad_norm = float("nan") if skipped else backend.clip_grad_norm(model, max_grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    if not skipped:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    backend.step_boundary()  # XLA: one graph per step
+    return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "n_trained": n_trained, "n_real": n_real, "n_padded": n_padded, "skipped": int(skipped), **result}

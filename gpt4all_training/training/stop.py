@@ -1,0 +1,58 @@
+"""Stopping on a signal: finish the step, write a checkpoint, exit with 128 + the signal's number."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+
+class GracefulStop:
+    """SIGTERM (a preempted instance) or SIGINT (Ctrl-C): finish the current step, write a checkpoint, then stop.
+
+    A second signal stops at once (KeyboardInterrupt). The run then exits with 128 + the signal's number (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process stopped by that signal, so a wrapper script does not
+    mistake it for a finished run; the checkpoint makes `resume=auto` continue exactly. Used as a context manager,
+    the previous handlers come back however the block ends.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def __enter__(self) -> "GracefulStop":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None:
+            self.close()
+            raise KeyboardInterrupt
+        self.received = signum
+        # os.write, not print: a signal handler may run in the middle of another print.
+        os.write(2, f"\n{signal.Signals(signum).name} received: finishing this step and writing a checkpoint "
+                    f"(send it again to stop at once)\n".encode())
+
+    def requested(self, backend) -> bool:
+        """Whether any rank got a signal; every rank must call it at the same step, since it is a collective."""
+        return backend.any_rank(self.received is not None)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or signal.SIGTERM)
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.received or signal.SIGTERM).name
+
+    def close(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
