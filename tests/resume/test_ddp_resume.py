@@ -6,10 +6,11 @@ rank), and each later step runs the same per-rank arithmetic and the same two-ra
 changes: against the uninterrupted run of the same launcher the difference is exactly 0, and both tests require
 bitwise equality. Against the 1-process reference the runs differ only by the order in which ranks' gradients are
 summed, compounded over 30 AdamW steps: logged losses within 1.3e-6 for both, final weights 2.1e-6 (DDP) and
-1.24e-5 (ZeRO-2). The ZeRO-2 weight figure was 6.6e-6 on the machine of the first session; the first session's code
-gives 1.24e-5 on today's machine too, so it moves with the machine, not the code. The weight bounds, 1e-5 (DDP) and
-2e-5 (ZeRO-2), and the loss bound, 1e-5, stay far below what a real fault does (a wrongly normalised loss moves
-weights by 5e-4 or more; a resume that dropped the Adam moments at step 16 moved them by 3.6e-3, measured).
+1.24e-5 (ZeRO-2) on the machine of the second session, 1.29e-5 (DDP) on the machine of the fourth, where the code
+of commit 7df8df2 (before the layout work) gives exactly the same 1.2910459e-5: these figures move with the
+machine's CPU kernels, not the code. The weight bound, 2e-5 for both launchers, and the loss bound, 1e-5, stay far
+below what a real fault does (a wrongly normalised loss moves weights by 5e-4 or more; a resume that dropped the
+Adam moments at step 16 moved them by 3.6e-3, measured).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def test_ddp_kill_and_resume_matches_the_uninterrupted_ddp_run(resume_config, re
     assert resumed.returncode == 0, explain(resumed)
     assert "step_12 at step 12" in resumed.stdout
     assert_same_run(out, uninterrupted, TOTAL_STEPS)  # bitwise, see the module docstring
-    assert max_weight_difference(out / "final", reference / "final") < 1e-5
+    assert max_weight_difference(out / "final", reference / "final") < 2e-5
 
 
 def test_zero2_kill_and_resume_matches_the_uninterrupted_zero2_run(resume_config, reference, tmp_path):
