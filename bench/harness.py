@@ -29,20 +29,24 @@ ENV = {
     "TORCHINDUCTOR_CACHE_DIR": str(REPO / ".cache" / "inductor"),
 }
 
-# One setting per model, shared by every row of a benchmark (same effective batch, steps, lr and precision).
-# Effective batch 8 examples per optimiser step for both. SmolLM2 takes it as 2 x 4 accumulated micro-batches: 8
-# examples of 1024 tokens at once need about 17 GB of activations without gradient checkpointing, more than this
-# shared 24 GB machine had free (the OOM killer took those runs). `warmup`: first steps left out of tokens/s
-# (first-call allocation, compilation, dynamic-shape recompiles).
+# One setting per model, shared by every row of a benchmark (same effective batch, steps, lr schedule and precision).
+# `batch_size` x `accumulation` examples per optimiser step; TRL's packed rows take `packed_rows` rows of
+# `max_length` tokens per micro-batch instead, about as many tokens: on the Dolly sample the tiny GPT-J's examples
+# average 289 tokens (8 make 2.3 rows of 1024) and SmolLM2's 161 at max_length 512 (3 make 0.94 rows of 512).
+# `schedule`: "cosine" is ours (to min_lr 0 at the last step) and transformers' cosine; "constant" is the same lr at
+# every step for both, so that eval losses compare training, not schedules. `warmup`: first steps left out of
+# tokens/s (first-call allocation, compilation, dynamic-shape recompiles).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SMOLLM2 = {"dtype": "bfloat16", "max_length": 512, "schedule": "constant", "steps": 22, "batch_size": 3,
+           "accumulation": 1, "packed_rows": 1, "warmup": 2}
 MODELS: dict[str, dict[str, Any]] = {
-    "tiny-gptj": {"dtype": "float32", "lora": False, "lr": 1e-3, "steps": 40, "batch_size": 8, "accumulation": 1,
-                  "warmup": 2},
-    "smollm2": {"dtype": "bfloat16", "lora": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
-                "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                "lr": 2e-4, "steps": 3, "batch_size": 2, "accumulation": 4, "warmup": 1},
+    "tiny-gptj": {"dtype": "float32", "lora": False, "lr": 1e-3, "max_length": 1024, "schedule": "cosine",
+                  "steps": 40, "batch_size": 8, "accumulation": 1, "packed_rows": 2, "warmup": 2},
+    "smollm2": {**SMOLLM2, "lora": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+                "lora_targets": LORA_TARGETS, "lr": 2e-4},
+    "smollm2-full": {**SMOLLM2, "lora": False, "lr": 2e-5},
 }
 EVAL_BATCH_SIZE = 8
-MAX_LENGTH = 1024
 SEED = 42
 
 
@@ -81,9 +85,9 @@ def tiny_gptj() -> Path:
             texts.extend([row["instruction"], row["context"], row["response"]])
     tokenizer = train_bpe_tokenizer(texts, vocab_size=1000)
     torch.manual_seed(0)
-    config = GPTJConfig(vocab_size=len(tokenizer), n_positions=MAX_LENGTH, n_embd=64, n_layer=2, n_head=4,
-                        rotary_dim=16, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        tie_word_embeddings=False)
+    config = GPTJConfig(vocab_size=len(tokenizer), n_positions=MODELS["tiny-gptj"]["max_length"], n_embd=64,
+                        n_layer=2, n_head=4, rotary_dim=16, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     GPTJForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -107,14 +111,77 @@ def model_dir(kind: str) -> Path:
     return tiny_gptj() if kind == "tiny-gptj" else smollm2()
 
 
+def set_threads(threads: int) -> None:
+    """The threads of this process and of the workers it starts (they inherit ENV), before setup_environment."""
+    ENV["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def model_dims(path: Path) -> dict[str, int]:
+    """The widths of the model in `path` (config.json) that its matmuls run: hidden, intermediate (MLP), kv_width
+    (key/value heads x head dim), attn_width (query heads x head dim), vocab, layers."""
+    config = json.loads((path / "config.json").read_text())
+    hidden = config.get("hidden_size", config.get("n_embd"))
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    head_dim = config.get("head_dim") or hidden // heads
+    return {"hidden": hidden, "intermediate": config.get("intermediate_size") or config.get("n_inner") or 4 * hidden,
+            "kv_width": config.get("num_key_value_heads", heads) * head_dim, "attn_width": heads * head_dim,
+            "vocab": config["vocab_size"], "layers": config.get("num_hidden_layers", config.get("n_layer"))}
+
+
+def weight_counts(path: Path, lora: dict[str, Any] | None) -> dict[str, int]:
+    """Weights that take part in matmuls: the decoder layers' linear layers (n_blocks), the output head (head), and
+    with `lora` (r and target module names) the adapters' (n_lora). Counted on a model built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    head = model.get_output_embeddings()
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    counts = {"n_blocks": sum(m.weight.numel() for _, m in linears), "head": head.weight.numel(), "n_lora": 0}
+    if lora:
+        counts["n_lora"] = sum(lora["lora_r"] * (m.in_features + m.out_features) for name, m in linears
+                               if name.rsplit(".", 1)[-1] in lora["lora_targets"])
+    return counts
+
+
+def attention_pairs(batch: dict[str, Any]) -> int:
+    """Causal (query, key) pairs the batch's examples need: the sum of n(n + 1)/2 over its examples. Examples are
+    found by sequence_ids (our packed rows), by position ids restarting at 0 (padding-free rows), or by the attention
+    mask (one padded example per row)."""
+    import torch
+
+    if "sequence_ids" in batch:
+        ids = batch["sequence_ids"]
+        lengths = torch.cat([torch.bincount(row[row > 0])[1:] for row in ids])
+    elif "position_ids" in batch:
+        starts = (batch["position_ids"].flatten() == 0).nonzero().flatten().tolist() + [batch["position_ids"].numel()]
+        lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:])])
+    else:
+        lengths = batch["attention_mask"].sum(dim=1)
+    return int((lengths * (lengths + 1) // 2).sum())
+
+
+def model_flops(counts: dict[str, int], dims: dict[str, int], lora: bool, real: float, trained: float,
+                pairs: float) -> float:
+    """The FLOPs training needs for `real` example tokens, `trained` of them with a loss, and `pairs` causal
+    attention pairs (the formula is in bench/roofline.py's docstring)."""
+    attention = 12 * dims["layers"] * dims["attn_width"] * pairs
+    if lora:
+        return 4 * counts["n_blocks"] * real + 4 * counts["head"] * trained + 6 * counts["n_lora"] * real + attention
+    return 6 * counts["n_blocks"] * real + 6 * counts["head"] * trained + attention
+
+
 def ours_overrides(kind: str, model: Path, data: Path, output_dir: Path, steps: int) -> list[str]:
     """The config of our runs; everything not named here is the default."""
     m = MODELS[kind]
     overrides = [f"model_name={model}", f"dataset_path={data}", f"output_dir={output_dir}", f"seed={SEED}",
                  f"batch_size={m['batch_size']}", f"gradient_accumulation_steps={m['accumulation']}",
-                 f"max_length={MAX_LENGTH}", f"max_steps={steps}", f"lr={m['lr']}",
+                 f"max_length={m['max_length']}", f"max_steps={steps}", f"lr={m['lr']}",
                  "warmup_steps=0", "save_every=null", "eval_every=null", f"dtype={m['dtype']}",
                  "prompt_template=plain", "report_to=jsonl"]
+    if m["schedule"] == "constant":  # gpt3's half-cosine from lr to end_lr = lr: lr at every step
+        overrides += ["lr_schedule=gpt3", "anneal_steps=1", f"end_lr={m['lr']}"]
     if m["lora"]:
         overrides += ["lora=true", f"lora_r={m['lora_r']}", f"lora_alpha={m['lora_alpha']}",
                       f"lora_dropout={m['lora_dropout']}", f"lora_target_modules={','.join(m['lora_targets'])}"]

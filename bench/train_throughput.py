@@ -1,7 +1,8 @@
 """Training throughput against named baselines, side by side: `python bench/train_throughput.py --model tiny-gptj`.
 
 Every row trains the same model on the same data (the Dolly sample, cleaned; the same 95/5 split), with the same
-effective batch (8 examples per optimiser step; micro-batch and accumulation per model in harness.MODELS), the same number of optimiser steps, lr, schedule (cosine, no
+effective batch (examples, or TRL's packed rows of about as many tokens; per model in harness.MODELS), the same
+number of optimiser steps, lr and schedule (cosine, or constant for SmolLM2: the same lr at every step for both, no
 warmup), clipping and precision. The rows differ only in what they are named for:
 
   gpt4all      gpt4all-training's data path inside our loop: their tokenize_inputs re-implemented (prompt cut by
@@ -11,19 +12,24 @@ warmup), clipping and precision. The rows differ only in what they are named for
   ours-packed  packing: true.
   trl          TRL SFTTrainer with its defaults for prompt/completion data (completion-only loss, pad to the
                longest, its fused LM-head loss, gradient checkpointing on, as SFTConfig defaults to).
+  trl-packed   TRL with packing=True (its default strategy, best-fit decreasing, which makes the batches
+               padding-free) and gradient checkpointing off: the row to beat.
   extra rows   trl-nogc (TRL with gradient checkpointing off), ours-grouped (group_by_length: true),
-               ours-packed-compile (packing + compile: true).
+               ours-packed-compile (packing + compile: true), and with activation checkpointing on for both:
+               ours-packed-gc (packing + gradient_checkpointing: true), trl-packed-gc.
 
 Runs alternate (the order of rows rotates every repeat) and each is a fresh process; the table shows medians.
-Trained tokens/s counts the tokens the loss is taken on (response tokens), over the steps after the first
-the model's warm-up steps (harness.MODELS). The final eval loss is computed the same way for every row, afterwards: our token-weighted loss of the
-saved model on our tokenisation of the validation split, in fp32.
+Trained tokens/s counts the tokens the loss is taken on (response tokens), over the steps after the model's
+warm-up steps (harness.MODELS). Peak RSS is the process's, model and data included. Model FLOPs of the measured
+steps are recorded for bench/roofline.py. The final eval loss is computed the same way for every row, afterwards:
+our token-weighted loss of the saved model on our tokenisation of the validation split, in fp32.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,15 +38,24 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-REQUIRED = ["gpt4all", "ours", "ours-packed", "trl"]
-EXTRA = ["trl-nogc", "ours-grouped", "ours-packed-compile"]
+REQUIRED = ["gpt4all", "ours", "ours-packed", "trl", "trl-packed"]
+EXTRA = ["trl-nogc", "ours-grouped", "ours-packed-compile", "ours-packed-gc", "trl-packed-gc"]
 LABELS = {
-    "gpt4all": "gpt4all-style (pad to 1024)", "ours": "ours (default)", "ours-packed": "ours + packing",
+    "gpt4all": "gpt4all-style (pad to max_length)", "ours": "ours (default)", "ours-packed": "ours + packing",
     "trl": "TRL SFTTrainer (defaults)", "trl-nogc": "TRL, grad. checkpointing off",
-    "ours-grouped": "ours + group_by_length", "ours-packed-compile": "ours + packing + compile",
+    "trl-packed": "TRL + packing, grad. checkpointing off", "ours-grouped": "ours + group_by_length",
+    "ours-packed-compile": "ours + packing + compile", "ours-packed-gc": "ours + packing + grad. checkpointing",
+    "trl-packed-gc": "TRL + packing + grad. checkpointing",
 }
 OURS_EXTRA = {"ours": [], "ours-packed": ["packing=true"], "ours-grouped": ["group_by_length=true"],
-              "ours-packed-compile": ["packing=true", "compile=true"], "gpt4all": []}
+              "ours-packed-compile": ["packing=true", "compile=true"], "gpt4all": [],
+              "ours-packed-gc": ["packing=true", "gradient_checkpointing=true"]}
+# SFTConfig settings of each TRL row besides the shared ones (gradient checkpointing is on in SFTConfig's defaults).
+TRL_EXTRA = {"trl": {}, "trl-nogc": {"gradient_checkpointing": False},
+             "trl-packed": {"packing": True, "gradient_checkpointing": False},
+             "trl-packed-gc": {"packing": True, "gradient_checkpointing": True}}
+# The TRL row each row is compared with: packed rows with the packed one of the same gradient checkpointing.
+TRL_BASELINE = {"ours-packed-gc": "trl-packed-gc", "trl-packed-gc": "trl-packed-gc"}
 
 
 # ---------------------------------------------------------------- gpt4all-training's data path, re-implemented
@@ -67,16 +82,15 @@ def gpt4all_tokenize(prompt: str, response: str, tokenizer, max_length: int) -> 
             "labels": labels + [-100] * pad}
 
 
-def gpt4all_load_data(config, tokenizer):
-    """Stands in for data.load_data in the gpt4all row: their tokenisation, every row max_length long.
+def gpt4all_load_data(config, tokenizer, records):
+    """Stands in for data.sft.load_data in the gpt4all row: their tokenisation, every row max_length long.
     No validation split here: the final eval loss is computed after training, the same way for every row."""
     import numpy as np
     from datasets import Dataset
 
-    from gpt4all_training.data.records import load_records
     from gpt4all_training.data.sft import DataStats, split_records
 
-    train_raw, _ = split_records(load_records(config.dataset_path), config.val_fraction, config.seed)
+    train_raw, _ = split_records(records, config.val_fraction, config.seed)
     rows = [gpt4all_tokenize(p, r, tokenizer, config.max_length)
             for p, r in zip(train_raw["prompt"], train_raw["response"])]
     kept = [r for r in rows if r is not None]
@@ -102,32 +116,56 @@ def gpt4all_fetch(dataset, indices: list[int], pad_id: int):
 
 # ---------------------------------------------------------------- one run (in a worker process)
 
-def run_ours(variant: str, kind: str, steps: int, out: Path) -> dict[str, Any]:
+class StepProfile:
+    """With --profile: torch.profiler over the measured steps (after the warm-up ones, to the last), its operators by
+    self CPU time written to the run's profile.txt (where the time of a step goes)."""
+
+    def __init__(self, enabled: bool, warmup: int, steps: int, path: Path) -> None:
+        self.enabled, self.warmup, self.steps, self.path = enabled, warmup, steps, path
+        self.profiler = None
+
+    def step_ended(self, count: int) -> None:
+        import torch
+
+        if self.enabled and count == self.warmup:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
+        if self.profiler is not None and count == self.steps:
+            self.profiler.__exit__(None, None, None)
+            self.path.write_text(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            self.profiler = None
+
+
+def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfile) -> dict[str, Any]:
     import gpt4all_training.training.loop as loop
+    import gpt4all_training.training.objectives as objectives
     from gpt4all_training.config.loader import load_config
 
-    steps_log: list[tuple[float, float, float, float]] = []
+    steps_log: list[tuple[float, ...]] = []
     started: list[float] = []
     train_step = loop.train_step
 
-    def timed_train_step(*args, **kwargs):
+    def timed_train_step(model, batches, *args, **kwargs):
         if not started:
             started.append(time.perf_counter())
-        result = train_step(*args, **kwargs)
-        steps_log.append((time.perf_counter(), result["n_trained"], result["n_real"], result["n_padded"]))
+        result = train_step(model, batches, *args, **kwargs)
+        steps_log.append((time.perf_counter(), result["n_trained"], result["n_real"], result["n_padded"],
+                          sum(harness.attention_pairs(b) for b in batches)))
+        profile.step_ended(len(steps_log))
         return result
 
     loop.train_step = timed_train_step
-    if variant == "gpt4all":
-        loop.load_data = gpt4all_load_data
-        loop.batch_fetcher = lambda packing, max_length: gpt4all_fetch
+    if variant == "gpt4all":  # the sft objective's tokenization and batches, replaced by theirs
+        objectives.load_data = gpt4all_load_data
+        objectives.batch_fetcher = lambda packing, max_length: gpt4all_fetch
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + OURS_EXTRA[variant]))
     peak = harness.peak_rss_mb()
-    return summarize(steps_log, started[0], peak, out / "final", harness.MODELS[kind]["warmup"])
+    return summarize(steps_log, started[0], peak, out / "final", kind)
 
 
-def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = harness.SEED) -> dict[str, Any]:
+def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile,
+            order_seed: int = harness.SEED) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -145,29 +183,31 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = ha
     train_raw, _ = split_records(load_records(str(harness.clean_data())), 0.05, harness.SEED)
     data = Dataset.from_dict({"prompt": [format_prompt(p, tokenizer, "plain") for p in train_raw["prompt"]],
                               "completion": list(train_raw["response"])})
+    packed = TRL_EXTRA[variant].get("packing", False)
     peft_config = None
     if m["lora"]:
         from peft import LoraConfig
 
         peft_config = LoraConfig(task_type="CAUSAL_LM", r=m["lora_r"], lora_alpha=m["lora_alpha"],
                                  lora_dropout=m["lora_dropout"], target_modules=m["lora_targets"])
-    settings = {"output_dir": str(out / "trl"), "per_device_train_batch_size": m["batch_size"],
+    rows = m["packed_rows" if packed else "batch_size"]
+    settings = {"output_dir": str(out / "trl"), "per_device_train_batch_size": rows,
                 "gradient_accumulation_steps": m["accumulation"], "max_steps": steps, "learning_rate": m["lr"],
-                "lr_scheduler_type": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0, "weight_decay": 0.0,
-                "bf16": m["dtype"] == "bfloat16", "save_strategy": "no", "report_to": "none",
-                "seed": order_seed, "use_cpu": True, "disable_tqdm": True}
-    if variant == "trl-nogc":
-        settings["gradient_checkpointing"] = False
+                "lr_scheduler_type": m["schedule"], "warmup_steps": 0, "max_grad_norm": 1.0, "weight_decay": 0.0,
+                "max_length": m["max_length"], "bf16": m["dtype"] == "bfloat16", "save_strategy": "no",
+                "report_to": "none", "seed": order_seed, "use_cpu": True, "disable_tqdm": True, **TRL_EXTRA[variant]}
     trainer = SFTTrainer(model=model, args=SFTConfig(**settings), train_dataset=data, processing_class=tokenizer,
                          peft_config=peft_config)
 
-    counts: list[tuple[float, float, float]] = []
+    counts: list[tuple[float, float, float, float]] = []
     collator = trainer.data_collator
 
     def counting_collator(examples):
         batch = collator(examples)
-        counts.append((float((batch["labels"][:, 1:] != -100).sum()), float(batch["attention_mask"].sum()),
-                       float(batch["input_ids"].numel())))
+        # Padding-free batches (packing) are one row of examples with no padding and no attention mask.
+        real = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+        counts.append((float((batch["labels"][:, 1:] != -100).sum()), float(real), float(batch["input_ids"].numel()),
+                       float(harness.attention_pairs(batch))))
         return batch
 
     ends: list[float] = []
@@ -179,6 +219,7 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = ha
 
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
+            profile.step_ended(len(ends))
 
     trainer.data_collator = counting_collator
     trainer.add_callback(StepTimes())
@@ -186,28 +227,38 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, order_seed: int = ha
     trainer.train()
     peak = harness.peak_rss_mb()
     trainer.save_model(str(out / "final"))
-    per_step = [tuple(sum(c[k] for c in counts[i:i + m["accumulation"]]) for k in range(3))
+    per_step = [tuple(sum(c[k] for c in counts[i:i + m["accumulation"]]) for k in range(4))
                 for i in range(0, len(counts), m["accumulation"])]  # micro-batches in order, `accumulation` a step
     steps_log = [(t, *c) for t, c in zip(ends, per_step)]
-    return summarize(steps_log, started[0], peak, out / "final", m["warmup"])
+    return summarize(steps_log, started[0], peak, out / "final", kind)
 
 
-def summarize(steps_log, started: float, peak_rss: float, final_dir: Path, warmup: int) -> dict[str, Any]:
+def summarize(steps_log, started: float, peak_rss: float, final_dir: Path, kind: str) -> dict[str, Any]:
+    """steps_log: per optimiser step (end time, trained tokens, real tokens, tokens processed, attention pairs)."""
+    m = harness.MODELS[kind]
+    warmup = m["warmup"]
     times = [s[0] for s in steps_log]
     trained = [s[1] for s in steps_log]
     rate, seconds, measured = harness.steady_rate(times, trained, warmup)
     real = sum(s[2] for s in steps_log)
     padded = sum(s[3] for s in steps_log)
+    path = harness.model_dir(kind)
+    timed = steps_log[warmup:]
+    flops = harness.model_flops(harness.weight_counts(path, m if m["lora"] else None), harness.model_dims(path),
+                                m["lora"], sum(s[2] for s in timed), sum(s[1] for s in timed), sum(s[4] for s in timed))
     return {"trained_tokens_per_s": rate, "measured_seconds": seconds, "measured_steps": measured,
             "warmup_seconds": times[warmup - 1] - started, "steps": len(steps_log),
-            "trained_tokens": sum(trained), "tokens_processed": padded, "real_tokens": real,
-            "padding_fraction": 1 - real / padded, "peak_rss_mb": peak_rss, "eval_loss": final_eval_loss(final_dir)}
+            "trained_tokens": sum(trained), "trained_tokens_per_step": sum(trained) / len(steps_log),
+            "tokens_processed": padded, "real_tokens": real, "padding_fraction": 1 - real / padded,
+            "model_flops": flops, "dtype": m["dtype"], "peak_rss_mb": peak_rss,
+            "eval_loss": final_eval_loss(final_dir, kind)}
 
 
-def final_eval_loss(final_dir: Path) -> float:
+def final_eval_loss(final_dir: Path, kind: str) -> float:
     """The saved model's token-weighted loss on our tokenisation of the validation split, fp32, for every row."""
     from accelerate import Accelerator
 
+    from gpt4all_training.backends.backend import Backend
     from gpt4all_training.data.records import load_records
     from gpt4all_training.data.sft import finish_split, split_records, tokenize_dataset
     from gpt4all_training.training.evaluate import evaluate_loss
@@ -216,39 +267,46 @@ def final_eval_loss(final_dir: Path) -> float:
     tokenizer = load_tokenizer(str(final_dir))
     model = load_model(str(final_dir))
     _, val_raw = split_records(load_records(str(harness.clean_data())), 0.05, harness.SEED)
-    val, _ = finish_split(tokenize_dataset(val_raw, tokenizer, harness.MAX_LENGTH, "plain", None))
-    return evaluate_loss(model, val, Accelerator(cpu=True), harness.EVAL_BATCH_SIZE,
+    val, _ = finish_split(tokenize_dataset(val_raw, tokenizer, harness.MODELS[kind]["max_length"], "plain", None))
+    return evaluate_loss(model, val, Backend(Accelerator(cpu=True)), harness.EVAL_BATCH_SIZE,
                          tokenizer.pad_token_id)["val_loss"]
 
 
-def worker(variant: str, kind: str, steps: int, out: Path, trl_seed: int) -> None:
+def worker(variant: str, kind: str, steps: int, out: Path, trl_seed: int, profile: bool) -> None:
     harness.setup_environment()
+    profiled = StepProfile(profile, harness.MODELS[kind]["warmup"], steps, out / "profile.txt")
     if variant.startswith("trl"):
-        result = run_trl(variant, kind, steps, out, trl_seed)
+        result = run_trl(variant, kind, steps, out, profiled, trl_seed)
     else:
-        result = run_ours(variant, kind, steps, out)
+        result = run_ours(variant, kind, steps, out, profiled)
     print(json.dumps({"variant": variant, **result}))
 
 
 # ---------------------------------------------------------------- the side-by-side table
 
 def table(results: dict[str, list[dict[str, Any]]], variants: list[str]) -> str:
-    med = {v: {k: harness.median([r[k] for r in results[v]]) for k in results[v][0] if k != "variant"}
+    med = {v: {k: harness.median([r[k] for r in results[v]]) for k in results[v][0] if k not in ("variant", "dtype")}
            for v in variants if results.get(v)}
-    base = med.get("gpt4all")
-    trl = med.get("trl")
-    head = ("| run | trained tok/s (median) | vs gpt4all | vs TRL | tokens processed | padding | peak RSS MiB | "
-            "final eval loss | runs |")
-    lines = [head, "|" + "---|" * 9]
+
+    def versus(row: dict[str, Any], baseline: str) -> str:
+        other = med.get(baseline)
+        if not other or not other["trained_tokens_per_s"]:
+            return "-"
+        return f"{row['trained_tokens_per_s'] / other['trained_tokens_per_s']:.2f}x"
+
+    head = ("| run | trained tok/s (median) | vs gpt4all | vs TRL | vs TRL packed* | trained tok/step | "
+            "tokens processed | padding | model GFLOP/s | peak RSS MiB | final eval loss | runs |")
+    lines = [head, "|" + "---|" * 12]
     for v in [v for v in variants if v in med]:
         row = med[v]
-        tps = row["trained_tokens_per_s"]
         spread = sorted(r["trained_tokens_per_s"] for r in results[v])
-        vs_base = f"{tps / base['trained_tokens_per_s']:.2f}x" if base else "-"
-        vs_trl = f"{tps / trl['trained_tokens_per_s']:.2f}x" if trl else "-"
-        lines.append(f"| {LABELS[v]} | {tps:,.0f} ({spread[0]:,.0f}-{spread[-1]:,.0f}) | {vs_base} | {vs_trl} | "
-                     f"{row['tokens_processed']:,.0f} | {row['padding_fraction']:.1%} | {row['peak_rss_mb']:,.0f} | "
+        lines.append(f"| {LABELS[v]} | {row['trained_tokens_per_s']:,.0f} ({spread[0]:,.0f}-{spread[-1]:,.0f}) | "
+                     f"{versus(row, 'gpt4all')} | {versus(row, 'trl')} | "
+                     f"{versus(row, TRL_BASELINE.get(v, 'trl-packed'))} | {row['trained_tokens_per_step']:,.0f} | "
+                     f"{row['tokens_processed']:,.0f} | {row['padding_fraction']:.1%} | "
+                     f"{row['model_flops'] / row['measured_seconds'] / 1e9:,.2f} | {row['peak_rss_mb']:,.0f} | "
                      f"{row['eval_loss']:.4f} | {len(results[v])} |")
+    lines.append("*: the TRL packed row with the same gradient checkpointing setting")
     return "\n".join(lines)
 
 
@@ -262,12 +320,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-seed", type=int, default=harness.SEED,
                         help="TRL's seed, which orders its examples (the split stays the same): other values show "
                              "how much the eval loss moves with the order of the examples alone")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"],
+                        help="every row's precision (default: per model); float32 where the CPU has no bf16 matmul "
+                             "(bench/roofline.py shows it)")
+    parser.add_argument("--threads", type=int, default=1, help="threads of each run (OMP_NUM_THREADS)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each run's measured steps (torch.profiler; slower): RUN_DIR/profile.txt")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = args.steps or harness.MODELS[args.model]["steps"]
+    harness.set_threads(args.threads)
+    if args.dtype:
+        harness.MODELS[args.model]["dtype"] = args.dtype
     if args.worker:
-        worker(args.worker, args.model, steps, args.out, args.trl_seed)
+        worker(args.worker, args.model, steps, args.out, args.trl_seed, args.profile)
         return 0
 
     harness.setup_environment()
@@ -278,21 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     harness.clean_data()
     harness.model_dir(args.model)
     m = harness.MODELS[args.model]
-    print(f"# {args.model}: {steps} steps x {m['batch_size']} x {m['accumulation']} examples, {args.repeats} repeats; "
-          f"{harness.machine()}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    print(f"# {args.model}: {steps} steps x {m['batch_size']} x {m['accumulation']} examples (TRL packed: "
+          f"{m['packed_rows']} x {m['accumulation']} rows of {m['max_length']} tokens), {m['dtype']}, {m['schedule']} "
+          f"lr, {args.repeats} repeats; {harness.machine()}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
         order = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
         for variant in order:
             out = harness.WORK / "runs" / args.model / f"{variant}-{repeat}"
+            shutil.rmtree(out, ignore_errors=True)  # nothing of an earlier run (its tokenized-data cache included)
             try:
                 result = harness.run_worker("train_throughput.py", ["--worker", variant, "--model", args.model,
                                                                     "--steps", str(steps), "--out", str(out),
-                                                                    "--trl-seed", str(args.trl_seed)])
+                                                                    "--trl-seed", str(args.trl_seed),
+                                                                    "--dtype", m["dtype"],
+                                                                    "--threads", str(args.threads),
+                                                                    *(["--profile"] if args.profile else [])])
             except RuntimeError as exc:  # one broken row must not lose the others' numbers
                 print(f"  repeat {repeat + 1} {variant}: FAILED\n{exc}", flush=True)
                 continue
             results[variant].append(result)
+            if args.profile:
+                print(f"  profile: {out / 'profile.txt'}", flush=True)
             print(f"  repeat {repeat + 1} {variant}: {result['trained_tokens_per_s']:,.0f} trained tok/s, "
                   f"eval loss {result['eval_loss']:.4f}, padding {result['padding_fraction']:.1%}, "
                   f"peak RSS {result['peak_rss_mb']:,.0f} MiB ({result['process_seconds']} s)", flush=True)

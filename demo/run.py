@@ -1,12 +1,17 @@
 """`make demo`: the whole pipeline on a real pretrained model, offline, on a CPU, in minutes.
 
-1. generate a seeded instruction dataset whose answers can be checked exactly (demo/tasks.py), with a test split;
-2. clean it with clean.py;
-3. measure the base SmolLM2-135M-Instruct's exact-match accuracy on the test split (greedy generation);
-4. fine-tune it with LoRA in bf16 autocast (demo/config.yaml), merging the adapter in fp32 at the end;
-5. measure the fine-tuned accuracy and print generations side by side;
+1. generate seeded two-round conversations (a system message, two tasks whose answers can be checked exactly;
+   demo/tasks.py), with a held-out split, and make the training split dirty: some conversations twice, some with a
+   wrong last answer;
+2. clean them with clean.py (conversations in OpenAI `messages` form);
+3. measure the base SmolLM2-135M-Instruct: exact match on both assistant turns (greedy, through its chat template),
+   and the offline lm-evaluation-harness suite (configs/eval) through `gpt4all-training eval`;
+4. fine-tune it with LoRA in bf16 autocast on every assistant turn (demo/config.yaml), merging the adapter in fp32;
+5. measure the fine-tuned model the same way;
 6. score the training data with inference.py before and after fine-tuning and draw the map of it;
-7. export the fine-tuned model as a GGUF file for GPT4All and llama.cpp.
+7. curate: drop near-duplicates (MiniLM embeddings) and the examples whose loss after training is highest, retrain
+   on what is left, and measure again;
+8. export the fine-tuned model as a GGUF file (chat template inside) and an Ollama Modelfile.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import shutil
 import time
 from pathlib import Path
 
-from demo.tasks import exact_match, write_splits
+from demo.tasks import exact_match, write_conversation_splits
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EVAL_TASKS = ("gpt4all_arithmetic_choice", "gpt4all_last_word", "gpt4all_exact_match")
+EVAL_LIMIT = 40  # examples per task: enough to see the change, a minute per model on two cores
 
 
 def smollm2_gguf() -> Path:
@@ -32,42 +39,63 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / GGUF_NAME
 
 
-def accuracy(model, tokenizer, records: list[dict]) -> tuple[float, list[str]]:
-    from gpt4all_training.generation.generate import generate_texts
+def turn_accuracy(model_name: str, tokenizer, test: list[dict]) -> dict[str, object]:
+    """Exact match of the first and the second assistant turn (the second with the reference first answer in its
+    context), overall and per family of the second turn, with the second answers for printing."""
+    import torch
 
-    answers = generate_texts(model, tokenizer, [r["prompt"] for r in records], "chat", max_new_tokens=16,
-                             batch_size=20)
-    return sum(exact_match(a, r["response"]) for a, r in zip(answers, records)) / len(records), answers
+    from gpt4all_training.generation.generate import generate_replies
+    from gpt4all_training.model.loading import load_model
+
+    model = load_model(model_name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = generate_replies(model, tokenizer, [r["messages"][:2] for r in test], 16, batch_size=20)
+        second = generate_replies(model, tokenizer, [r["messages"][:-1] for r in test], 16, batch_size=20)
+    del model
+    gc.collect()
+    hits_first = [exact_match(a, r["messages"][2]["content"]) for a, r in zip(first, test)]
+    hits_second = [exact_match(a, r["messages"][-1]["content"]) for a, r in zip(second, test)]
+    by_family: dict[str, list[bool]] = {}
+    for record, hit in zip(test, hits_second):
+        by_family.setdefault(record["source"], []).append(hit)
+    return {"first_turn": sum(hits_first) / len(test), "second_turn": sum(hits_second) / len(test),
+            "second_turn_by_family": {f: sum(h) / len(h) for f, h in sorted(by_family.items())},
+            "second_answers": second}
 
 
-def accuracy_by_family(records: list[dict], answers: list[str]) -> dict[str, float]:
-    """Exact match per task family, so the summary shows which skills fine-tuning taught."""
-    hits: dict[str, list[bool]] = {}
-    for record, answer in zip(records, answers):
-        hits.setdefault(record["source"], []).append(exact_match(answer, record["response"]))
-    return {family: sum(h) / len(h) for family, h in sorted(hits.items())}
+def harness_scores(model_name: str, out: Path) -> dict:
+    """The offline suite through lm-evaluation-harness, as `gpt4all-training eval` runs it."""
+    from gpt4all_training.evaluation.harness import EvalSettings, evaluate
+    from gpt4all_training.evaluation.results import write_results
 
-
-def step(message: str, started: float) -> None:
-    print(f"\n=== [{time.perf_counter() - started:6.1f} s] {message}", flush=True)
+    settings = EvalSettings(tasks=EVAL_TASKS, include_paths=("configs/eval",), limit=EVAL_LIMIT, batch_size=8,
+                            dtype="float32", device="cpu")
+    results = evaluate(model_name, settings)
+    write_results(results, out)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo_out", help="where everything is written (emptied first)")
-    parser.add_argument("--train-examples", type=int, default=480)
+    parser.add_argument("--train-examples", type=int, default=320, help="clean training conversations")
     parser.add_argument("--test-examples", type=int, default=60)
+    parser.add_argument("--copies", type=int, default=24, help="training conversations planted twice")
+    parser.add_argument("--swapped", type=int, default=24, help="training conversations given a wrong last answer")
     args = parser.parse_args()
 
     import torch
 
-    from gpt4all_training.analysis.map.build import build_map
-    from gpt4all_training.data.clean import clean, print_report
-    from gpt4all_training.config.loader import load_config
-    from gpt4all_training.export.hf import export
+    from gpt4all_training.analysis.curation.curate import CurateOptions, curate
     from gpt4all_training.analysis.inference import run_inference
+    from gpt4all_training.analysis.map.build import build_map
+    from gpt4all_training.cli.clean import print_report
+    from gpt4all_training.config.loader import load_config
     from gpt4all_training.config.schemas import InferenceConfig
-    from gpt4all_training.model.loading import load_model, load_tokenizer
+    from gpt4all_training.data.clean import clean
+    from gpt4all_training.evaluation.results import comparison_table
+    from gpt4all_training.export.hf import export
+    from gpt4all_training.model.loading import load_tokenizer
     from gpt4all_training.training.loop import train
 
     started = time.perf_counter()
@@ -76,74 +104,91 @@ def main() -> None:
     base = smollm2_gguf()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    step("1. generating the instruction data (seeded)", started)
-    train_raw, test_raw = write_splits(out, args.train_examples, args.test_examples, seed=0)
+    step("1. generating two-round conversations (seeded), with planted copies and wrong answers", started)
+    train_raw, test_raw = write_conversation_splits(out, args.train_examples, args.test_examples, seed=0,
+                                                    n_copies=args.copies, n_swapped=args.swapped)
     test = [json.loads(line) for line in test_raw.read_text().splitlines()]
-    print(f"{train_raw} and {test_raw} ({len(test)} test examples)")
+    print(f"{train_raw}: {args.train_examples} conversations + {args.copies} copies + {args.swapped} with a wrong "
+          f"last answer; {test_raw}: {len(test)} held out")
 
     step("2. clean.py", started)
     print_report(clean([str(train_raw)], out / "clean"))
 
-    step(f"3. base model accuracy: {base.name}", started)
+    step(f"3. the base model: {base.name}", started)
     tokenizer = load_tokenizer(str(base))
     # Reading a GGUF's 49k-token vocabulary is slow in Python: do it once, then load the saved copy.
     tokenizer_dir = out / "base_tokenizer"
     tokenizer.save_pretrained(tokenizer_dir)
-    model = load_model(str(base))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        before, before_answers = accuracy(model, tokenizer, test)
-    print(f"exact match before fine-tuning: {before:.1%}")
-    del model
-    gc.collect()
+    before = turn_accuracy(str(base), tokenizer, test)
+    print(f"exact match: first turn {before['first_turn']:.1%}, second turn {before['second_turn']:.1%}")
+    eval_before = harness_scores(str(base), out / "eval" / "before")
 
-    step("4. fine-tuning with LoRA (bf16 autocast)", started)
-    config = load_config("demo/config.yaml", [f"model_name={base}", f"tokenizer_name={tokenizer_dir}",
-                                              f"dataset_path={out / 'clean'}", f"output_dir={out / 'run'}"])
+    step("4. fine-tuning with LoRA (bf16 autocast) on every assistant turn", started)
+    overrides = [f"model_name={base}", f"tokenizer_name={tokenizer_dir}"]
+    config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'clean'}",
+                                              f"output_dir={out / 'run'}"])
     summary = train(config)
     merged = out / "run" / "final" / "merged"
 
-    step("5. fine-tuned model accuracy", started)
-    model = load_model(str(merged))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        after, after_answers = accuracy(model, tokenizer, test)
-    del model
-    gc.collect()
-    print(f"{'prompt':58} | {'expected':14} | {'before':22} | after")
-    for record, old, new in list(zip(test, before_answers, after_answers))[:8]:
-        print(f"{record['prompt'][:58]:58} | {record['response'][:14]:14} | {old.strip()[:22]!s:22} | "
-              f"{new.strip()[:22]}")
+    step("5. the fine-tuned model", started)
+    after = turn_accuracy(str(merged), tokenizer, test)
+    eval_after = harness_scores(str(merged), out / "eval" / "after")
+    print(comparison_table(eval_before, eval_after))
+    print(f"{'second question':58} | {'expected':14} | {'before':16} | after")
+    for record, old, new in list(zip(test, before["second_answers"], after["second_answers"]))[:8]:
+        print(f"{record['messages'][3]['content'][:58]:58} | {record['messages'][4]['content'][:14]:14} | "
+              f"{old.strip()[:16]!s:16} | {new.strip()[:16]}")
 
     step("6. inference over the training data, before and after, and the map", started)
     runs = {}
     for name, model_name in (("before", str(base)), ("after", str(merged))):
         inference = InferenceConfig(model_name=model_name, tokenizer_name=str(tokenizer_dir),
-                                    dataset_path=str(out / "clean"),
-                                    seed=config.seed, val_fraction=config.val_fraction,
+                                    dataset_path=str(out / "clean"), seed=config.seed, val_fraction=config.val_fraction,
                                     max_length=config.max_length, prompt_template="chat", batch_size=16,
                                     output_dir=str(out / "inference" / name))
         run_inference(inference)
         runs[name] = out / "inference" / name
     map_result = build_map(runs["after"], out / "map.html", compare=runs["before"])
 
-    step("7. export as GGUF (Q8_0) for GPT4All and llama.cpp", started)
+    step("7. curate (near-duplicates, highest losses), retrain on the curated set", started)
+    report = curate(runs["after"], out / "curated", CurateOptions(near_duplicates=0.99, loss_above=0.9))
+    print(f"curate: read {report['read']}, kept {report['kept']}, dropped {report['dropped']}")
+    curated_config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'curated'}",
+                                                      f"output_dir={out / 'run_curated'}"])
+    curated_summary = train(curated_config)
+    curated = turn_accuracy(str(out / "run_curated" / "final" / "merged"), tokenizer, test)
+
+    step("8. export as GGUF (Q8_0) for GPT4All, llama.cpp and Ollama", started)
     files = export(str(merged), str(out / "smollm2-135m-demo"), "gguf", "q8_0")
     gguf = next(f for f in files if f.suffix == ".gguf")
 
     step("done", started)
-    print(f"exact match on {len(test)} held-out examples: before {before:.1%}, after {after:.1%}")
-    by_family = {"before": accuracy_by_family(test, before_answers), "after": accuracy_by_family(test, after_answers)}
-    for family in by_family["after"]:
-        print(f"  {family:16} before {by_family['before'][family]:6.1%}  after {by_family['after'][family]:6.1%}")
-    print(f"validation loss after fine-tuning: {summary.get('val_loss', float('nan')):.4f}")
+    rows = (("base model", before), ("fine-tuned", after), ("fine-tuned on the curated set", curated))
+    print(f"exact match on {len(test)} held-out conversations:")
+    for name, result in rows:
+        print(f"  {name:30} first turn {result['first_turn']:6.1%}  second turn {result['second_turn']:6.1%}")
+    print("second turn by family (base -> fine-tuned -> curated):")
+    for family in after["second_turn_by_family"]:
+        print(f"  {family:16} " + " -> ".join(f"{r['second_turn_by_family'][family]:6.1%}" for _, r in rows))
+    print(f"validation loss: fine-tuned {summary.get('val_loss', float('nan')):.4f}, curated "
+          f"{curated_summary.get('val_loss', float('nan')):.4f} (each on its own held-out split)")
     print(f"loss curves: {out / 'run' / 'report.html'}")
-    print(f"adapter: {out / 'run' / 'final'}; merged model: {merged}")
     print(f"map of the training data (loss change before -> after): {map_result.html}")
-    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)")
+    print(f"curation report: {out / 'curated' / 'curate_report.json'}")
+    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB), Modelfile beside it")
+    strip = ("second_answers",)
     (out / "demo_result.json").write_text(json.dumps({
-        "accuracy_before": before, "accuracy_after": after, "accuracy_by_family": by_family,
-        "test_examples": len(test),
-        "seconds": round(time.perf_counter() - started, 1), "val_loss": summary.get("val_loss"),
-        "gguf": str(gguf), "map": str(map_result.html)}, indent=2))
+        "test_conversations": len(test),
+        "accuracy": {name: {k: v for k, v in r.items() if k not in strip} for name, r in rows},
+        "eval_before": eval_before.get("results"), "eval_after": eval_after.get("results"),
+        "curate": {"read": report["read"], "kept": report["kept"], "dropped": report["dropped"]},
+        "val_loss": summary.get("val_loss"), "curated_val_loss": curated_summary.get("val_loss"),
+        "seconds": round(time.perf_counter() - started, 1), "gguf": str(gguf), "map": str(map_result.html)},
+        indent=2, default=str))
+
+
+def step(title: str, started: float) -> None:
+    print(f"\n=== [{time.perf_counter() - started:6.1f} s] {title}", flush=True)
 
 
 if __name__ == "__main__":

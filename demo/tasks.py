@@ -81,3 +81,57 @@ def write_splits(out_dir: Path, n_train: int, n_test: int, seed: int) -> tuple[P
 
 def exact_match(prediction: str, answer: str) -> bool:
     return prediction.strip().rstrip(".") == answer
+
+
+SYSTEM = "You are a precise assistant. Answer with the answer only."
+
+
+def make_conversations(seed: int):
+    """An endless stream of two-round conversations: a system message, then tasks of two different families, each
+    answered by the assistant. The second round cycles through the families and `source` names it: the demo scores
+    that answer, per family."""
+    rng = random.Random(seed)
+    names = list(TASKS)
+    i = 0
+    while True:
+        second = names[i % len(names)]
+        first = rng.choice([name for name in names if name != second])
+        turns = [TASKS[first](rng), TASKS[second](rng)]
+        messages = [{"role": "system", "content": SYSTEM}]
+        for prompt, answer in turns:
+            messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        yield {"messages": messages, "source": second}
+        i += 1
+
+
+def write_conversation_splits(out_dir: Path, n_train: int, n_test: int, seed: int, n_copies: int = 0,
+                              n_swapped: int = 0) -> tuple[Path, Path]:
+    """raw/train.jsonl and raw/test.jsonl of conversations; no user turn of a test conversation appears in train.
+
+    The training split is then made dirty the way scraped data is, for the curation step to find: `n_copies`
+    conversations appear twice, and `n_swapped` have their last answer swapped with another conversation's (a wrong
+    label). The clean conversations come first, so the demo knows which lines were planted."""
+    rng = random.Random(seed + 1)
+    test, train, seen = [], [], set()
+    for record in make_conversations(seed):
+        if len(test) == n_test and len(train) == n_train:
+            break
+        prompts = tuple(m["content"] for m in record["messages"] if m["role"] == "user")
+        # A test conversation's prompts appear in no other conversation; training prompts may recur in other
+        # pairings (there are only 50 words to reverse), but no training conversation twice.
+        if prompts in seen or len(test) == n_test and any(p in seen for p in prompts):
+            continue
+        seen.update({prompts, *prompts} if len(test) < n_test else {prompts})
+        (test if len(test) < n_test else train).append(record)
+    copies = [json.loads(json.dumps(r)) for r in rng.sample(train, n_copies)]
+    swapped = [json.loads(json.dumps(r)) for r in rng.sample(train, n_swapped)]
+    answers = [r["messages"][-1]["content"] for r in swapped]
+    for i, record in enumerate(swapped):  # each takes the next one's last answer: a wrong label
+        record["messages"][-1]["content"] = answers[(i + 1) % len(answers)]
+    train += copies + swapped
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    paths = raw / "train.jsonl", raw / "test.jsonl"
+    for path, rows in zip(paths, (train, test)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return paths

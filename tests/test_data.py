@@ -203,9 +203,10 @@ def test_tokenizer_that_adds_bos_keeps_it_under_truncation(tokenizer_dir):
     assert row["labels"] == [M] * 5 + response_ids[:5]
 
 
-def test_show_example_marks_masked_text(tokenizer):
+def test_show_example_marks_trained_text(tokenizer):
     row = tokenize_one(tokenizer, "What is two plus two?", "Four.")
-    assert show_example(row, tokenizer) == "[[What is two plus two?\n]]Four.<|endoftext|>"
+    assert show_example(row, tokenizer) == "What is two plus two?\n{+Four.<|endoftext|>+}"
+    assert show_example(row, tokenizer, colour=True) == "What is two plus two?\n\x1b[32m{+Four.<|endoftext|>+}\x1b[0m"
 
 
 # ---------------------------------------------------------------- dropping and statistics
@@ -312,12 +313,11 @@ def test_show_prints_masked_examples_and_statistics(tmp_path, tokenizer, tokeniz
     (train, _), (train_stats, val_stats) = load_data(load_config(config_path, overrides), tokenizer)
     expected = []
     for row in train.select(range(3)):
-        expected.append(f"--- example {row['index']} ({row['n_trained']} trained tokens; "
-                        f"[[masked]] text is not trained)")
+        expected.append(f"--- example {row['index']} ({row['n_trained']} trained tokens, between {{+ and +}})")
         expected.append(show_example(row, tokenizer))
     expected += [train_stats.describe("train"), val_stats.describe("validation")]
     assert result.stdout == "\n".join(expected) + "\n"
-    assert result.stdout.count("[[") == 6  # three headers explaining the marker, three masked prompts
+    assert result.stdout.count("{+") == 6  # three headers explaining the marker, three trained responses
     assert "<|endoftext|>" in result.stdout  # the trained EOS is shown
     assert train_stats.count + val_stats.count == 9
     assert sum(train_stats.dropped.values()) + sum(val_stats.dropped.values()) == 1  # the empty response

@@ -21,28 +21,13 @@ import yaml
 
 from support.files import dolly_texts
 from support.launch import free_port
-from support.models import CHAT_TEMPLATE
+from support.models import CHAT_TEMPLATE, build_tiny_llama
 from support.paths import PYTHON, REPO
 from gpt4all_training.errors import UserError
-from gpt4all_training.export.hf import export
+from gpt4all_training.export.hf import export, training_method
+from gpt4all_training.training.checkpoint import write_marker
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def build_tiny_llama(tokenizer, tie: bool = False, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial norm weights, so a misplaced norm tensor would show in the logits
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    return model
 
 
 def save_model_folder(model, tokenizer, path, license_id: str | None = "apache-2.0"):
@@ -137,8 +122,9 @@ def test_gguf_tokenizer_reads_back_to_the_same_ids(chat_tokenizer, tiny_llama_di
     assert set(types) == {1, 3}
     merges = json.loads(chat_tokenizer.backend_tokenizer.to_str())["model"]["merges"]
     assert fields["tokenizer.ggml.merges"] == [" ".join(pair) for pair in merges]
+    # bos = pad, like GPT-J's tokenizer; EOS and EOT are the chat template's end-of-turn token, <|im_end|>.
     assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"],
-            fields["tokenizer.ggml.padding_token_id"]) == (0, 0, 0)  # bos = eos = pad, like GPT-J's tokenizer
+            fields["tokenizer.ggml.eot_token_id"], fields["tokenizer.ggml.padding_token_id"]) == (0, 1001, 1001, 0)
     assert fields["tokenizer.ggml.add_bos_token"] is False
 
 
@@ -325,6 +311,12 @@ def test_adapter_on_gguf_base_merges_into_dequantised_weights(chat_tokenizer, ti
     assert (logits(exported, ids) - logits(adapter, ids)).abs().max().item() <= 1e-5
     card = (tmp_path / "out" / "README.md").read_text()
     assert "license: apache-2.0" in card and f"| Base model | {base_gguf} |" in card
+    assert "| Base model, as its GGUF names it | " in card  # general.name, where the path may say little
+
+
+def test_model_card_names_the_lora_rank_and_alpha():
+    assert training_method({"lora": True, "lora_r": 16, "lora_alpha": 32}) == "LoRA (r=16, alpha=32), merged in fp32"
+    assert training_method({"lora": False}) == "full fine-tuning" and training_method({}) == "unknown"
 
 
 # ---------------------------------------------------------------- training outputs
@@ -340,7 +332,7 @@ def write_run(output_dir, step: int, config: dict):
     (step_dir / "state.json").write_text(json.dumps({"step": step, "epoch": 0, "position": 24,
                                                      "trained_tokens": 5000}))
     (step_dir / "config.yaml").write_text(yaml.safe_dump(config))
-    (step_dir / "COMPLETE").write_text("")
+    write_marker(step_dir)  # lists the files above; the model saved into step_dir/model later is not checked
     rows = [{"step": 1, "train_loss": 6.9, "lr": 1e-3}, {"step": 2, "train_loss": 6.5, "val_loss": 6.61},
             {"step": step, "train_loss": 6.25, "lr": 1e-3}]
     (output_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))

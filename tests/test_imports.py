@@ -23,7 +23,7 @@ PACKAGE = "gpt4all_training"
 # Which layers each layer may import, besides its own modules. cli may import everything; no layer lists cli.
 FOUNDATIONS = {"config", "batch", "errors"}
 COMPONENTS = {"data", "model", "backends", "tracking"}
-STAGES = {"preflight", "analysis", "generation", "export"}
+STAGES = {"preflight", "analysis", "generation", "export", "evaluation", "serving"}
 LAYERS: dict[str, set[str]] = {
     "cli": {"training", *STAGES, *COMPONENTS, *FOUNDATIONS},
     **{stage: {"training", *COMPONENTS, *FOUNDATIONS} for stage in STAGES},

@@ -1,5 +1,6 @@
-"""Property-based tests of the three entry points that take arbitrary input: clean.py (bytes and JSON),
-tokenisation with labels (data.tokenize_batch, with the real fixture tokenizer) and config loading (YAML).
+"""Property-based tests of the entry points that take arbitrary input: clean.py (bytes and JSON), tokenisation with
+labels (data.tokenize_batch, with the real fixture tokenizer), config loading (YAML, training and inference),
+inference's records and per-example maths, and build_map's reader of inference.parquet.
 
 Every property runs with a fixed seed (derandomize) and a bounded number of examples, and keeps no example
 database, so CI runs the same cases every time; together they take well under a minute on 2 cores.
@@ -8,18 +9,25 @@ database, so CI runs the same cases every time; together they take well under a 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpt4all_training import cli
+from gpt4all_training.analysis.inference import example_losses, load_examples, pool_hidden
+from gpt4all_training.analysis.map.runs import load_run
 from gpt4all_training.data.clean import Filters, clean_file
 from gpt4all_training.config.fields import shown
 from gpt4all_training.config.loader import config_fields, load_config
-from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.config.schemas import InferenceConfig, TrainConfig
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.data.sft import finish_split, tokenize_batch, tokenize_dataset
 from gpt4all_training.errors import UserError
@@ -246,3 +254,141 @@ def test_any_yaml_loads_or_is_one_line_naming_a_key_or_the_file(work, text, caps
         cli.main(["train", "--config", str(path), "model_name=m", "dataset_path=d"])
     assert exit_info.value.code == 2
     assert capsys.readouterr() == ("", f"error: {message}\n")
+
+
+# ---------------------------------------------------------------- inference: its config, its maths, its records
+
+INFERENCE_FIELDS = sorted(config_fields(InferenceConfig))
+INFERENCE_DOCUMENTS = st.dictionaries(st.sampled_from(INFERENCE_FIELDS) | st.text(max_size=8), YAML_VALUES,
+                                      max_size=6).map(lambda d: yaml.safe_dump(d, allow_unicode=True))
+
+
+@pytest.mark.slow
+@bounded(200)
+@given(text=INFERENCE_DOCUMENTS | YAML_DOCUMENTS)
+@example(text="output_dir: ''\n")
+@example(text="batch_size: 8\nbatch_size: 16\n")
+def test_any_yaml_is_an_inference_config_or_one_line_naming_a_key_or_the_file(work, text, capsys):
+    path = work / "inference.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        config = load_config(path, ["model_name=m", "dataset_path=d"], cls=InferenceConfig)
+    except UserError as exc:
+        message = str(exc)
+    else:
+        assert isinstance(config, InferenceConfig) and config.output_dir.strip() and config.batch_size >= 1
+        return
+    assert "\n" not in message and "\r" not in message and len(message) < 600
+    document = yaml.safe_load(text) if not message.startswith(f"config {path}:") else None
+    keys = [*INFERENCE_FIELDS, *(document if isinstance(document, dict) else [])]
+    assert message.startswith(f"config {path}:") or \
+        any(message.startswith(f"{form}: ") for key in keys for form in (str(key), shown(key)))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["inference", "--config", str(path), "model_name=m", "dataset_path=d"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr() == ("", f"error: {message}\n")
+
+
+@bounded(200)
+@given(shape=st.tuples(st.integers(1, 3), st.integers(2, 8)), data=st.data())
+def test_example_losses_and_embeddings_follow_the_trained_tokens_and_the_mask(shape, data):
+    """Per example: the loss is the mean NLL over the trained positions only (NaN when there is none), the count is
+    exact, and pooling reads only real (unpadded) positions, for any labels and right padding."""
+    rows, width = shape
+    seed = data.draw(st.integers(0, 2**31), label="seed")
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, 5, generator=generator) * data.draw(st.sampled_from([0.1, 1.0, 30.0]))
+    labels = torch.tensor(data.draw(st.lists(st.lists(st.integers(-1, 4), min_size=width, max_size=width),
+                                             min_size=rows, max_size=rows)))
+    labels[labels < 0] = IGNORE  # -1 drawn: a masked position
+    loss, n_tokens = example_losses(logits, labels)
+    assert n_tokens.tolist() == (labels[:, 1:] != IGNORE).sum(dim=1).tolist()
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    for i in range(rows):
+        trained = [(t, int(labels[i, t + 1])) for t in range(width - 1) if labels[i, t + 1] != IGNORE]
+        if not trained:
+            assert torch.isnan(loss[i])
+        else:
+            expected = -sum(float(log_probs[i, t, label]) for t, label in trained) / len(trained)
+            assert float(loss[i]) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    lengths = data.draw(st.lists(st.integers(1, width), min_size=rows, max_size=rows))
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+    hidden = torch.randn(rows, width, 3, generator=generator)
+    last, mean = pool_hidden(hidden, mask, "last"), pool_hidden(hidden, mask, "mean")
+    for i, n in enumerate(lengths):
+        assert torch.equal(last[i], hidden[i, n - 1])
+        assert torch.allclose(mean[i], hidden[i, :n].mean(dim=0), atol=1e-6)
+
+
+# A value where text belongs that is not text: a number or a list (a null is just missing text).
+NOT_TEXT = st.integers() | st.lists(st.integers(), max_size=2)
+
+
+@pytest.mark.slow
+@bounded(25)
+@given(records=st.lists(st.tuples(TEXT | st.none(), TEXT | st.none(), st.booleans()), min_size=1, max_size=12),
+       poison=st.none() | st.tuples(st.integers(0, 11), st.integers(0, 1), NOT_TEXT),
+       val_fraction=st.sampled_from([0.0, 0.2, 0.5]), max_length=st.integers(2, 48))
+def test_any_records_are_scored_whole_or_refused_in_one_line(tokenizer, work, records, poison, val_fraction,
+                                                             max_length):
+    """Inference's examples: every record scored at most once, under its own (split, index) (a record's own "index"
+    field gives way); a record without text where text belongs is dropped; anything else is one UserError line."""
+    if poison is not None:
+        row, field, value = poison
+        row %= len(records)
+        records[row] = tuple(value if i == field else v for i, v in enumerate(records[row]))
+    folder = work / "inference-records"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    with open(folder / "r_clean.jsonl", "w", encoding="utf-8") as f:
+        for prompt, response, with_index in records:
+            f.write(json.dumps({"prompt": prompt, "response": response, **({"index": 99} if with_index else {})})
+                    + "\n")
+    config = InferenceConfig(model_name="m", dataset_path=str(folder), max_length=max_length,
+                             val_fraction=val_fraction, num_proc=1)
+    try:
+        examples = load_examples(config, tokenizer)
+    except UserError as exc:
+        assert "\n" not in str(exc) and len(str(exc)) < 600
+        return
+    keys = list(zip(examples.split_codes.tolist(), examples.indices.tolist()))
+    assert len(set(keys)) == len(keys) == len(examples.dataset) and all(0 <= i < len(records) for _, i in keys)
+    kept = examples.dataset
+    assert all(isinstance(p, str) and isinstance(r, str) for p, r in zip(kept["prompt"], kept["response"]))
+    assert all(records[i][0] == p for (_, i), p in zip(keys, kept["prompt"]))
+
+
+# ---------------------------------------------------------------- build_map's input: inference.parquet
+
+EMBEDDING_ROW = st.none() | st.lists(st.floats(width=32) | st.none(), max_size=4)
+TEXT_COLUMN = st.lists(TEXT | st.none(), min_size=1, max_size=6) | st.lists(st.integers(-3, 3), min_size=1, max_size=6)
+
+
+@bounded(150)
+@given(embedding=st.lists(EMBEDDING_ROW, min_size=1, max_size=6), prompt=TEXT_COLUMN,
+       loss=st.lists(st.floats() | st.none(), min_size=1, max_size=6), with_source=st.booleans())
+@example(embedding=[[0.5, 1.0], [1.0], [2.0, 3.0, 4.0]], prompt=["a", "b", "c"], loss=[1.0, 2.0, 3.0],
+         with_source=True)  # 6 values for 3 rows: read as a 3 x 2 matrix before, across the rows' boundaries
+def test_any_inference_table_is_read_whole_or_refused_in_one_line(work, embedding, prompt, loss, with_source):
+    """load_run gives an (n, d) matrix of finite numbers read row by row, and text prompts, or one UserError line
+    naming the file; never another exception."""
+    n = min(len(embedding), len(prompt), len(loss))
+    columns = {"prompt": pa.array(prompt[:n]), "response": [f"r{i}" for i in range(n)], "index": list(range(n)),
+               "split": ["train"] * n, "loss": pa.array(loss[:n], pa.float64()), "n_tokens": [3] * n,
+               "embedding": pa.array(embedding[:n], pa.list_(pa.float32()))}
+    if with_source:
+        columns["source"] = ["s"] * n
+    folder = work / "map-input"
+    folder.mkdir(exist_ok=True)
+    pq.write_table(pa.table(columns), folder / "inference.parquet")
+    try:
+        run = load_run(folder)
+    except UserError as exc:
+        message = str(exc)
+        assert message.startswith(f"{folder / 'inference.parquet'}: ") and "\n" not in message and len(message) < 600
+        return
+    rows = [list(row) for row in embedding[:n]]
+    assert run.embeddings.shape == (n, len(rows[0])) and len(rows[0]) >= 1
+    assert np.array_equal(run.embeddings, np.array(rows, dtype=np.float32))
+    assert np.isfinite(run.embeddings).all()
+    assert run.prompt.to_pylist() == prompt[:n] and all(isinstance(p, str) for p in prompt[:n])

@@ -242,7 +242,7 @@ def test_metrics_has_one_row_per_logged_step(full_run):
         assert {"loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens", "step"} <= row.keys()
     assert train_rows[-1]["trained_tokens"] == sum(r["trained_tokens"] - p["trained_tokens"] for p, r in
                                                    zip([{"trained_tokens": 0}] + train_rows, train_rows))
-    assert (output / "report.html").read_text().count("<polyline") >= 1
+    assert 'id="train-loss"' in (output / "report.html").read_text()
 
 
 def test_validation_loss_is_token_weighted(tiny_model_dir, tokenizer, clean_dolly):

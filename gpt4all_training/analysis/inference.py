@@ -10,6 +10,12 @@ Per example:
 - `n_tokens`: how many positions that mean is over.
 - `embedding`: the final hidden state at the last real token (`pooling: last`) or its mask-aware mean.
 
+A conversation (a record with `messages`) is scored as training labelled it: `loss` is the mean over the tokens of
+its trained assistant turns (every one, or the last with `train_turns: last`), and `embedding` pools over the whole
+conversation, every turn of every role (`last`: the state after the final end-of-turn token, which has read all of
+it). Its `prompt` and `response` columns, which the map shows, are the turns before the last assistant turn (one
+"role: content" line each) and that turn.
+
 Work is split so the result does not depend on the number of processes: the examples are sorted by length once,
 rank r takes every W-th of that order, and nothing is dropped or repeated to even the shards out. Each rank writes
 a Parquet shard; the main process merges them into `output_dir/inference.parquet`, ordered by (split, index), with
@@ -34,13 +40,16 @@ import torch
 
 from gpt4all_training.backends.accelerate import build_backend
 from gpt4all_training.config.schemas import InferenceConfig
+from gpt4all_training.config.secrets import redact
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.data.batching import collate
+from gpt4all_training.data.chat import with_conversation_text
 from gpt4all_training.data.prompts import resolve_template
 from gpt4all_training.data.records import load_records
 from gpt4all_training.data.sft import effective_num_proc, finish_split, split_records, tokenize_dataset
 from gpt4all_training.errors import UserError
-from gpt4all_training.model.loading import load_model, tokenizer_for
+from gpt4all_training.model.loading import check_positions, load_model, tokenizer_for
+from gpt4all_training.training.loop import require_writable
 from gpt4all_training.training.loss import nll_sum
 
 SPLITS = ("train", "val")
@@ -114,13 +123,16 @@ def load_examples(config: InferenceConfig, tokenizer) -> Examples:
     num_proc = effective_num_proc(config, len(records))
     kept = []
     for name, raw in zip(SPLITS, split_records(records, config.val_fraction, config.seed)):
-        split, stats = finish_split(tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc))
+        split, stats = finish_split(tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc,
+                                                     config.train_turns))
         dropped = ", ".join(f"{k} {v}" for k, v in stats.dropped.items()) or "none"
         print(f"{name}: {len(split)} examples to score (dropped: {dropped})", flush=True)
         kept.append(split)
     combined = datasets.concatenate_datasets(kept)
     if len(combined) == 0:
         raise UserError(f"dataset_path {config.dataset_path}: no example has a trainable response")
+    if "messages" in combined.column_names:
+        combined = with_conversation_text(combined)
     split_codes = np.repeat(np.arange(len(SPLITS), dtype=np.int64), [len(s) for s in kept])
     # A record field named like an output column (a Hub dataset's own "split", say) gives way to the output.
     record_columns = [c for c in combined.column_names if c not in (*TOKEN_COLUMNS, "index", *RESULT_COLUMNS)]
@@ -250,6 +262,7 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
     try:
         torch.manual_seed(config.seed)
         output_dir = Path(config.output_dir)
+        require_writable(output_dir)
         tokenizer = tokenizer_for(config)
         # The main process fills the datasets cache alone; the others then read it instead of racing to write it.
         with backend.main_process_first():
@@ -259,6 +272,7 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
             examples = load_examples(config, tokenizer)
         model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                            dtype=getattr(torch, config.dtype))
+        check_positions(model, config.max_length)
         model.to(backend.device).eval()
 
         order = length_sorted_order(examples.lengths, examples.split_codes, examples.indices)
@@ -287,7 +301,7 @@ def write_summary(config: InferenceConfig, world_size: int, path: Path, elapsed:
 
     table = pq.read_table(path, columns=["split", "loss", "n_tokens"])
     rate = table.num_rows / elapsed if elapsed > 0 else math.inf
-    summary = {"config": dataclasses.asdict(config), "world_size": world_size,
+    summary = {"config": redact(dataclasses.asdict(config)), "world_size": world_size,
                "examples": table.num_rows, "seconds": round(elapsed, 3), "examples_per_second": round(rate, 2),
                "splits": split_summary(table)}
     (path.parent / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

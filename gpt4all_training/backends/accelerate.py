@@ -1,5 +1,5 @@
 """Building the Accelerator, and the backend around it, for every launch: python, torchrun, accelerate launch with
-DDP or DeepSpeed; GPU, CPU or XLA. The backend is chosen here, once."""
+DDP, DeepSpeed or FSDP2; GPU, CPU or XLA. The backend is chosen here, once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from gpt4all_training.backends.backend import Backend
 from gpt4all_training.backends.deepspeed import DeepSpeedBackend, deepspeed_config_source, fill_deepspeed_config
+from gpt4all_training.backends.fsdp import FsdpBackend, fsdp_requested, fsdp_settings
 from gpt4all_training.backends.xla import XlaBackend
 
 MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
@@ -47,7 +48,8 @@ def build_accelerator(config=None):
             # DeepSpeed would pick a GPU backend; gloo is the CPU one. (cpu=True would quietly turn it into DDP.)
             process_group["backend"] = "gloo"
         else:
-            # Without CUDA, `accelerate launch --multi_gpu` starts independent processes; make them one gloo group.
+            # Without CUDA, `accelerate launch --multi_gpu` starts independent processes, and accelerate ignores
+            # FSDP; make them one gloo group (FsdpBackend shards the model itself).
             os.environ["ACCELERATE_USE_CPU"] = "true"
     # DeepSpeed's engine owns accumulation; give accelerate the same count so the two never disagree.
     accumulation = config.gradient_accumulation_steps if deepspeed else 1
@@ -78,5 +80,9 @@ def backend_for(accelerator) -> Backend:
 
 
 def build_backend(config=None) -> Backend:
-    """The run's backend: build_accelerator(config), then the Backend that fits it."""
+    """The run's backend: build_accelerator(config), then the Backend that fits it. FSDP2 is chosen by the launch,
+    not the Accelerator, which enables FSDP only with CUDA."""
+    if config is not None and fsdp_requested():
+        settings = fsdp_settings(config)
+        return FsdpBackend(build_accelerator(config), settings)
     return backend_for(build_accelerator(config))

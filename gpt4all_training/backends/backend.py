@@ -1,9 +1,9 @@
 """The one object through which training, evaluation, checkpoints and inference reach the processes and the device.
 
 `backends.accelerate.build_backend` builds it once from the Accelerator: this class for one process or DDP (GPUs or
-CPUs), `DeepSpeedBackend` (backends/deepspeed.py) and `XlaBackend` (backends/xla.py) where those differ. Nothing
-outside backends/ asks which one it has; it asks what the backend supports (`supports_nan_skip`,
-`supports_grad_norms`, `engine_saves_state`, `partitions_parameters`, `exit_hard`).
+CPUs), `DeepSpeedBackend` (backends/deepspeed.py), `FsdpBackend` (backends/fsdp.py) and `XlaBackend`
+(backends/xla.py) where those differ. Nothing outside backends/ asks which one it has; it asks what the backend
+supports (`supports_nan_skip`, `supports_grad_norms`, `engine_saves_state`, `partitions_parameters`, `exit_hard`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from gpt4all_training.config.secrets import scrub
 
 
 def to_cpu(value: Any) -> Any:
@@ -33,9 +35,12 @@ class Backend:
     supports_nan_skip = True
     # Gradients exist between backward and the optimizer step (under DeepSpeed the engine has consumed them).
     supports_grad_norms = True
-    # The engine writes weights and optimizer state itself (checkpoint deepspeed/ instead of optimizer.pt).
+    # The engine writes weights and optimizer state itself, each rank its part, into the checkpoint's
+    # `engine_state_dir` (deepspeed/, fsdp/) instead of optimizer.pt; `engine_name` names it in messages.
     engine_saves_state = False
-    # ZeRO-3: each rank holds only its partition of every parameter.
+    engine_state_dir = ""
+    engine_name = ""
+    # ZeRO-3, FSDP2: each rank holds only its partition of every parameter.
     partitions_parameters = False
 
     def __init__(self, accelerator) -> None:
@@ -60,8 +65,8 @@ class Backend:
         return self.accelerator.is_main_process
 
     def print(self, *args, **kwargs) -> None:
-        """print on the main process only."""
-        self.accelerator.print(*args, **kwargs)
+        """print on the main process only, with any credential from the environment hidden."""
+        self.accelerator.print(*(scrub(str(arg)) for arg in args), **kwargs)
 
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction=reduction)
@@ -145,6 +150,10 @@ class Backend:
         """`batch` on this process's device."""
         return {k: v.to(self.device) for k, v in batch.items()}
 
+    def parameter_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of each tensor (gradients), as a float32 CPU vector. A collective where tensors are sharded."""
+        return torch.stack([t.detach().float().norm() for t in tensors]).cpu()
+
     def step_boundary(self) -> None:
         """Where one optimizer step (or evaluation batch) ends; only XLA acts on it."""
 
@@ -162,11 +171,16 @@ class Backend:
         """What optimizer.pt holds."""
         return optimizer.state_dict()
 
-    def save_engine_state(self, model, folder: Path) -> None:
+    def save_engine_state(self, model, optimizer, folder: Path) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps no engine state")
 
-    def load_engine_state(self, model, folder: Path) -> None:
+    def load_engine_state(self, model, optimizer, folder: Path) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps no engine state")
+
+    def engine_pickled_types(self) -> list[type]:
+        """The classes besides tensors and plain values that the engine's checkpoint files may hold (what the
+        weights-only check of those files allows)."""
+        return []
 
     def whole_copy(self, unwrapped, state_dict: dict[str, torch.Tensor]):
         """A model whose weights are whole and in memory, for merging a LoRA adapter into: `unwrapped` itself here.

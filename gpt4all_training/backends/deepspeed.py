@@ -90,6 +90,8 @@ class DeepSpeedBackend(Backend):
     supports_nan_skip = False
     supports_grad_norms = False
     engine_saves_state = True
+    engine_state_dir = "deepspeed"
+    engine_name = "DeepSpeed"
 
     def __init__(self, accelerator) -> None:
         super().__init__(accelerator)
@@ -134,18 +136,22 @@ class DeepSpeedBackend(Backend):
         with self.whole_model_init():
             return rebuilt_copy(unwrapped, state_dict)
 
-    def save_engine_state(self, model, folder: Path) -> None:
+    def save_engine_state(self, model, optimizer, folder: Path) -> None:
         """The engine's own checkpoint (ZeRO-partitioned optimizer state, one file per rank). A collective."""
         # A LoRA run's frozen base is the base model on disk; storing it in every checkpoint would only cost space.
         model.save_checkpoint(str(folder), tag=ENGINE_TAG, exclude_frozen_parameters=_has_frozen_parameters(model))
 
-    def load_engine_state(self, model, folder: Path) -> None:
-        """Restore what save_engine_state wrote: weights and optimizer state, each rank its own partition."""
+    def load_engine_state(self, model, optimizer, folder: Path) -> None:
+        """Restore what save_engine_state wrote: weights and optimizer state (the engine's), each rank its own
+        partition."""
         path, _ = model.load_checkpoint(str(folder), tag=ENGINE_TAG, load_optimizer_states=True,
                                         load_lr_scheduler_states=False,
                                         load_module_strict=not _has_frozen_parameters(model))
         if path is None:
             raise UserError(f"checkpoint {folder}: the DeepSpeed engine state cannot be read")
+
+    def engine_pickled_types(self) -> list[type]:
+        return deepspeed_pickled_types()
 
 
 def deepspeed_pickled_types() -> list[type]:

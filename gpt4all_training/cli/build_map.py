@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 from gpt4all_training.analysis.map.build import build_map
+from gpt4all_training.analysis.map.layout import LAYOUTS
 from gpt4all_training.errors import UserError
 
 
@@ -14,12 +17,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", help="another inference run over the same data: colour by loss change "
                                           "(input minus compare) on the input's layout")
     parser.add_argument("--clusters", type=int, help="number of clusters (default: about sqrt(n/4), at most 40)")
-    parser.add_argument("--layout", choices=("neighbors", "pca"), default="neighbors",
-                        help="PCA refined by a nearest-neighbour force layout (default), or PCA alone")
-    parser.add_argument("--seed", type=int, default=0, help="seed for PCA, the layout and k-means")
+    parser.add_argument("--layout", choices=LAYOUTS, default="umap",
+                        help="UMAP of the embeddings' PCA features (default), or their first two principal "
+                             "components (a quick look at very large runs)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for PCA, UMAP and k-means: the same seed and "
+                                                            "input give the same map")
     parser.add_argument("--text-chars", type=int, default=240, help="prompt/response characters kept for hover")
     parser.add_argument("--png", help="static image path (default: the output with .png)")
     parser.add_argument("--clusters-csv", help="cluster table path (default: clusters.csv next to the output)")
+
+
+def require_writable_file(flag: str, path: Path) -> None:
+    """Create the folder of an output file and prove a file can be written there, before the minutes of layout."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a folder; give a file path, e.g. {path / 'map.html'}")
+    existing = next(folder for folder in path.absolute().parents if folder.exists())
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot write there ({exc.strerror or type(exc).__name__}); choose another "
+                        f"path") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--clusters: must be at least 1, got {args.clusters}")
     if args.text_chars < 10:
         raise UserError(f"--text-chars: must be at least 10, got {args.text_chars}")
+    for flag, path in (("--output", args.output), ("--png", args.png), ("--clusters-csv", args.clusters_csv)):
+        if path:
+            require_writable_file(flag, Path(path))
     result = build_map(args.input, args.output, args.compare, args.clusters, args.layout, args.seed,
                        args.text_chars, args.png, args.clusters_csv)
     hardest = result.clusters[0]

@@ -1,12 +1,20 @@
-"""`gpt4all-training clean`: normalize raw JSONL into prompt/response/source records, with a report per file."""
+"""`gpt4all-training clean`: normalize raw JSONL into prompt/response/source records and messages/source
+conversations, with a report per file."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from gpt4all_training.data.clean import Filters, clean
+from gpt4all_training.data.clean import OASST_MODES, Filters, clean
+from gpt4all_training.errors import UserError
+
+# What clean.py reads, for the error when it keeps nothing (data/clean.py's docstring has the details).
+FORMATS = ("gpt4all records (prompt, response), Dolly (instruction, context, response), OpenAI messages, ShareGPT "
+           "conversations and OpenAssistant message trees (message_tree_id, or a prompt with replies)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,14 +23,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop-ai-disclaimers", action="store_true", help="drop responses that say they are an AI")
     parser.add_argument("--drop-refusals", action="store_true", help="drop apology and refusal answers")
     parser.add_argument("--min-response-chars", type=int, default=0, help="drop responses shorter than this")
+    parser.add_argument("--oasst", choices=OASST_MODES, default="paths",
+                        help="OpenAssistant trees as conversations: every thread, each reply trained once (paths, the "
+                             "default), the best-ranked thread only (best); or prompt/response pairs with the thread "
+                             "flattened into the prompt (pairs)")
 
 
 def run(args: argparse.Namespace) -> int:
     filters = Filters(args.drop_ai_disclaimers, args.drop_refusals, args.min_response_chars)
-    report = clean(args.inputs, args.output_dir, filters)
+    report = clean(args.inputs, args.output_dir, filters, args.oasst)
     print_report(report)
     print(f"report: {Path(args.output_dir) / 'clean_report.json'}")
+    if not report["total"].get("kept"):
+        raise UserError(nothing_kept(report))
     return 0
+
+
+def nothing_kept(report: dict[str, Any]) -> str:
+    """The error line of a run that kept no record: the drop reasons in words, what the first line holds, and the
+    formats clean.py reads."""
+    dropped = Counter({key.split(":", 1)[1]: count for key, count in report["total"].items()
+                       if key.startswith("dropped:")})
+    read = report["total"].get("read", 0)
+    if not dropped:
+        return f"clean: kept 0 records: the inputs hold no lines; clean.py reads {FORMATS}"
+    reason, count = dropped.most_common(1)[0]
+    kind, _, name = reason.partition("_")
+    why = {"missing": f"had no {name!r} field (or it was null)", "non": f"had a {name.removeprefix('string_')!r} "
+           f"field that is not text", "unknown": "had the fields of none of the formats"}.get(kind, f"were {reason}")
+    first = first_record_fields(report)
+    return (f"clean: kept 0 of {read} records ({', '.join(f'{k} {v}' for k, v in dropped.most_common())}): {count} "
+            f"of them {why}{first}; clean.py reads {FORMATS}; rename the fields or convert the file")
+
+
+def first_record_fields(report: dict[str, Any]) -> str:
+    """", whose first line has the fields a, b" for the first input whose first line is a JSON object, else ""."""
+    for name in report["files"]:
+        try:
+            with open(name, "rb") as f:
+                line = next((raw for raw in f if raw.strip()), b"")
+            record = json.loads(line.decode("utf-8-sig"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            return f" ({name}'s first line has the fields: {', '.join(map(str, record)) or 'none'})"
+    return ""
 
 
 def print_report(report: dict[str, Any]) -> None:

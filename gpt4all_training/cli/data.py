@@ -1,28 +1,35 @@
-"""`gpt4all-training data`: tokenize a training config's dataset; show examples and the split statistics."""
+"""`gpt4all-training data`: tokenize a training config's dataset; show examples and the split statistics, and dump
+every example's ids and labels."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from gpt4all_training.cli.config_options import add_config_arguments
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.data.sft import load_data, show_example
+from gpt4all_training.data.sft import TRAINED_MARKS, dump_examples, load_data, show_example
 from gpt4all_training.model.loading import tokenizer_for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, TrainConfig, "training config YAML", required=True)
     parser.add_argument("--show", type=int, default=3, help="print this many tokenized examples")
+    parser.add_argument("--dump", metavar="FILE", help="write every example of both splits as JSONL: split, index, "
+                                                       "input_ids, labels")
 
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     tokenizer = tokenizer_for(config)
     (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
+    start, end = TRAINED_MARKS
     for row in train.select(range(min(args.show, len(train)))):
-        print(f"--- example {row['index']} ({row['n_trained']} trained tokens; [[masked]] text is not trained)")
-        print(show_example(row, tokenizer))
+        print(f"--- example {row['index']} ({row['n_trained']} trained tokens, between {start} and {end})")
+        print(show_example(row, tokenizer, colour=sys.stdout.isatty()))
     print(train_stats.describe("train"))
     print(val_stats.describe("validation"))
+    if args.dump:
+        print(f"{args.dump}: {dump_examples({'train': train, 'val': val}, args.dump)} examples")
     return 0

@@ -11,20 +11,24 @@ import importlib
 import os
 import sys
 
+from gpt4all_training.config.secrets import scrub
 from gpt4all_training.errors import TrainingError, UserError
 
 # subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "clean": ("gpt4all_training.cli.clean", "normalise raw JSONL into prompt/response/source records"),
+    "clean": ("gpt4all_training.cli.clean", "normalise raw JSONL into prompt/response records and conversations"),
     "data": ("gpt4all_training.cli.data", "tokenise a dataset and show examples and statistics"),
     "train": ("gpt4all_training.cli.train", "fine-tune a model (run under python, accelerate launch or torchrun)"),
     "inference": ("gpt4all_training.cli.inference", "per-example loss and embeddings over the training data"),
     "build_map": ("gpt4all_training.cli.build_map", "an interactive HTML map of inference embeddings"),
+    "curate": ("gpt4all_training.cli.curate", "a new dataset from an inference run: duplicates, loss outliers, picks"),
     "generate": ("gpt4all_training.cli.generate", "generate text from a trained model"),
     "export": ("gpt4all_training.cli.export", "export a checkpoint as a slim HF folder or a GGUF file"),
     "tokenizer": ("gpt4all_training.cli.tokenizer", "train a byte-level BPE tokenizer"),
     "plan": ("gpt4all_training.cli.plan", "print the step, memory and time arithmetic of a config"),
     "check": ("gpt4all_training.cli.check", "pre-flight checks before a long run"),
+    "eval": ("gpt4all_training.cli.eval", "benchmark scores from lm-evaluation-harness"),
+    "serve": ("gpt4all_training.cli.serve", "an OpenAI-compatible HTTP server with batched generation"),
 }
 
 
@@ -45,7 +49,7 @@ def report_error(exc: Exception) -> None:
     if "tqdm" in sys.modules:
         for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", [])):
             bar.close()
-    print(f"error: {exc}", file=sys.stderr)
+    print(f"error: {scrub(str(exc))}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

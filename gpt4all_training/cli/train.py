@@ -15,6 +15,7 @@ from gpt4all_training.cli.config_options import add_config_arguments
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError
+from gpt4all_training.evaluation.after_training import check_eval_tasks, evaluate_final
 from gpt4all_training.training.loop import train
 
 
@@ -40,6 +41,7 @@ def lost_peer_error(exc: RuntimeError) -> TrainingError | None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
+    check_eval_tasks(config)  # a misspelt eval task fails now, not after the run
     try:
         backend = build_backend(config)
         summary = train(config, backend)
@@ -49,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise lost from None
     code = summary.get("exit_code", 0)  # 128 + signal when SIGTERM/SIGINT stopped it early with a checkpoint
+    if code == 0 and config.eval_tasks and backend.is_main_process:
+        evaluate_final(config, summary["steps"])
     if backend.exit_hard:  # everything is written; leave without the interpreter teardown that can abort
         sys.stdout.flush()
         sys.stderr.flush()

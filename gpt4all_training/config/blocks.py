@@ -23,6 +23,7 @@ from gpt4all_training.errors import UserError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 PromptTemplate = Literal["auto", "plain", "chat"]
+MAX_SEED = 2**32 - 1
 TrackerName = Literal["wandb", "tensorboard", "jsonl"]
 
 
@@ -84,6 +85,10 @@ def validate(config: Block) -> Block:
         error = choice_error(f.name, getattr(config, f.name), hints[f.name], f.metadata)
         if error is not None:
             raise error
+        value = getattr(config, f.name)
+        # inf and nan pass every range check written as a comparison that inf satisfies (weight_decay >= 0).
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{f.name}: must be a finite number, got {shown(value)}")
     for check in declared_checks(config):
         if not check.ok:
             got = f", got {shown(getattr(config, check.key))}" if check.got else ""
@@ -106,6 +111,9 @@ class ModelSource(Block):
                                     "Required.", required=True)
     tokenizer_name: Optional[str] = doc("Tokenizer to load; defaults to model_name.")
     gguf_file: Optional[str] = doc("GGUF file name inside the model_name folder, when the weights are GGUF.")
+    chat_template: Optional[str] = doc("Chat template to render conversations and chat prompts with, replacing the "
+                                       "tokenizer's own: a Jinja file, or 'chatml'. Unset: the tokenizer's. It is "
+                                       "saved with the trained tokenizer, so exports carry it.")
     model_revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the model.")
     trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
     dtype: Dtype = doc("Precision: float32, bfloat16 or float16. Training autocasts over fp32 master weights; "
@@ -134,16 +142,22 @@ class Examples(Block):
     streaming: bool = doc("causal_lm: read and tokenize records as training consumes them (needs max_steps). "
                           "sft (gpt4all compatibility): tokenize in this process (num_proc=1).", False)
     num_proc: int = doc("Processes for tokenization; capped at the machine's cores.", 4)
-    max_length: int = doc("Longest tokenized example; longer ones are truncated (prompt end kept).", 1024)
+    max_length: int = doc("Longest tokenized example; longer ones are truncated (prompt end kept; a conversation "
+                          "loses whole rounds from its start).", 1024)
     val_fraction: float = doc("Share of the data held out for validation.", 0.05)
     seed: int = doc("Seed of the train/validation split; training also seeds the data order and initialization "
                     "with it.", 42)
+    train_turns: Literal["all", "last"] = doc("Conversations (records with messages): train every assistant turn "
+                                              "('all') or only the last one ('last'). A message with \"train\": "
+                                              "false is never trained.", "all", allowed="'all' or 'last'")
 
     def checks(self) -> list[Check]:
         return [
             Check("max_length", self.max_length >= 2, "must be at least 2"),
             Check("val_fraction", 0 <= self.val_fraction < 1, "must be in [0, 1)"),
             Check("num_proc", self.num_proc >= 1, "must be at least 1"),
+            # NumPy's seeding takes no negative seed, and epoch_seed(seed, epoch) must fit a torch seed (64 bits).
+            Check("seed", 0 <= self.seed <= MAX_SEED, f"must be between 0 and {MAX_SEED} (2^32 - 1)"),
         ]
 
 
@@ -286,10 +300,16 @@ class Evaluation(Block):
     """evaluation: when validation runs and how much of it."""
     eval_every: Optional[int] = doc("Validate every N optimizer steps (and at the end); unset: only at the end.", 500)
     eval_steps: Optional[int] = doc("At most this many validation batches; unset: all.")
+    eval_tasks: Optional[list[str]] = doc("lm-evaluation-harness tasks to score final/ on once training ends, as "
+                                          "`gpt4all-training eval --tasks` does: written to output_dir/eval/"
+                                          "results.json and logged as harness/<task>/<metric>; unset: none.")
+    eval_tasks_limit: Optional[int] = doc("eval_tasks: score the first N examples of each task; unset: all.")
+    eval_include_path: Optional[str] = doc("eval_tasks: a folder of task YAML files (e.g. configs/eval).")
 
     def checks(self) -> list[Check]:
         return [at_least_one("eval_steps", self.eval_steps),
-                at_least_one("eval_every", self.eval_every, " (or unset to disable)")]
+                at_least_one("eval_every", self.eval_every, " (or unset to disable)"),
+                at_least_one("eval_tasks_limit", self.eval_tasks_limit, " (or unset)")]
 
 
 @dataclass
@@ -299,15 +319,27 @@ class Checkpoints(Block):
     keep_last: Optional[int] = doc("Keep the newest N checkpoints; unset keeps all.", 2)
     keep_every: Optional[int] = doc("Also keep, permanently, the checkpoints at multiples of N steps.")
     output_dir: str = doc("Where checkpoints, final/, metrics.jsonl and report.html go.", "ckpts/run")
+    cache_dir: Optional[str] = doc("Where fine-tuning data is cached once tokenized, keyed by the records, the "
+                                   "tokenizer, the data settings and the code; a shared folder lets other runs "
+                                   "reuse it. Unset: output_dir/tokenized.")
     checkpoint: Optional[str] = doc("A step_N folder to resume from.")
     resume: Optional[Literal["auto"]] = doc(
         "'auto': resume from the newest complete checkpoint in output_dir, or start fresh when there is none. "
         "Unset: start fresh (checkpoint=PATH still resumes).",
         allowed="'auto' or unset; to resume from a folder use checkpoint=PATH")
+    resume_allow_changes: list[str] = doc(
+        "Keys that may differ from the checkpoint's config when resuming, e.g. [max_steps]. Any other change that "
+        "alters the trained result (lr, data, max_length, dtype, ...) is refused; logging, evaluation and "
+        "checkpoint cadence and output paths may always change.", factory=list)
 
     def checks(self) -> list[Check]:
+        keys = {f.name for f in dataclasses.fields(self)}
         return [at_least_one("keep_last", self.keep_last), at_least_one("keep_every", self.keep_every, " (or unset)"),
-                at_least_one("save_every", self.save_every, " (or unset to disable)")]
+                at_least_one("save_every", self.save_every, " (or unset to disable)"),
+                Check("output_dir", bool(self.output_dir.strip()),
+                      "must name a folder (empty would write into the current folder)"),
+                Check("resume_allow_changes", set(self.resume_allow_changes) <= keys,
+                      "must list config keys only")]
 
 
 @dataclass

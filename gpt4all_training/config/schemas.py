@@ -63,7 +63,9 @@ class InferenceConfig(PromptFormat, Examples, DataSource, ModelSource):
     output_dir: str = doc("Where inference.parquet and inference.json go.", "ckpts/inference")
 
     def checks(self) -> list[Check]:
-        return [Check("batch_size", self.batch_size >= 1, "must be at least 1")]
+        return [Check("batch_size", self.batch_size >= 1, "must be at least 1"),
+                Check("output_dir", bool(self.output_dir.strip()),
+                      "must name a folder (empty would write into the current folder)")]
 
 
 @dataclass
@@ -85,6 +87,9 @@ class GenerateConfig(PromptFormat, ModelSource):
     prompt: Optional[str] = doc("One prompt to answer (or pass --prompt).")
     prompts_file: Optional[str] = doc("A file of prompts: one per line, or JSONL with a 'prompt' field "
                                       "(or pass --prompts-file). Output is JSONL.")
+    messages_file: Optional[str] = doc("Conversations to continue with the assistant's next turn (or pass "
+                                       "--messages): a .json file of one ({\"messages\": [...]} or the list), or "
+                                       "JSONL of one per line, output as JSONL with the reply appended.")
 
     def checks(self) -> list[Check]:
         return [
@@ -95,6 +100,8 @@ class GenerateConfig(PromptFormat, ModelSource):
             Check("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 disables it)"),
             Check("batch_size", self.batch_size >= 1, "must be at least 1"),
             Check("prompts_file", not (self.prompt and self.prompts_file), "give either prompt or prompts_file, not both"),
+            Check("messages_file", not (self.messages_file and (self.prompt or self.prompts_file)),
+                  "give either messages_file or a prompt (prompt, prompts_file), not both"),
             Check("stop", all(self.stop), "empty stop strings would end every response at once; remove them",
                   got=False),
         ]

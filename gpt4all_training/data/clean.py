@@ -1,9 +1,11 @@
-"""Normalise raw JSONL into `prompt`/`response`/`source` records, and count every record dropped with its reason.
+"""Normalise raw JSONL into `prompt`/`response`/`source` records and `messages`/`source` conversations, and count
+every record dropped with its reason.
 
-Three input shapes are recognised by their fields: gpt4all (`prompt`, `response`, `source`), Dolly
-(`instruction`, `context`, `response`, `category`) and OpenAssistant message trees (one tree per line, every
-prompter->assistant pair becomes a record). Each input line becomes kept records or dropped ones; nothing vanishes:
-`kept + dropped == read` for every file.
+Single-turn shapes are recognised by their fields: gpt4all (`prompt`, `response`, `source`) and Dolly (`instruction`,
+`context`, `response`, `category`). Conversations (data/conversations.py): OpenAI `messages`, ShareGPT
+`conversations`, and OpenAssistant message trees (one tree per line) as whole threads (`--oasst paths`, the default,
+or `best`), or as every prompter->assistant pair with the thread flattened into the prompt (`--oasst pairs`). Each
+input line becomes kept records or dropped ones; nothing vanishes: `kept + dropped == read` for every file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from gpt4all_training.data.conversations import (OASST_THREAD_MODES, encodable, oasst_threads, openai_messages,
+                                                 sharegpt_messages, trained)
 from gpt4all_training.errors import UserError
 
 AI_DISCLAIMER = re.compile(r"\bas an ai\b|\bai language model\b|\bi am an ai\b|\bi'm an ai\b", re.IGNORECASE)
@@ -24,6 +28,7 @@ REFUSAL = re.compile(
     r"^\s*(i'?m sorry|i am sorry|sorry,|i apologi[sz]e|unfortunately,? i|i can(no|')t (help|assist|provide|do))",
     re.IGNORECASE,
 )
+OASST_MODES = (*OASST_THREAD_MODES, "pairs")
 
 
 @dataclass
@@ -37,7 +42,7 @@ class Filters:
 
 @dataclass
 class FileReport:
-    """`read` counts records: one per line, except that an OpenAssistant tree gives one per prompter->assistant pair."""
+    """`read` counts records: one per line, except that an OpenAssistant tree gives one per thread (or pair)."""
 
     lines: int = 0
     read: int = 0
@@ -122,8 +127,13 @@ def _oasst_records(tree: dict) -> Iterator[dict[str, str] | Drop]:
                 yield Drop("malformed_message")
 
 
-def parse_line(raw: bytes, default_source: str) -> Iterator[dict[str, str] | Drop]:
-    """One input line -> records or Drops (at least one of either)."""
+def _conversation_record(parsed: list[dict[str, Any]] | str, source: str) -> dict[str, Any] | Drop:
+    return Drop(parsed) if isinstance(parsed, str) else {"messages": parsed, "source": source}
+
+
+def parse_line(raw: bytes, default_source: str, oasst: str = "paths") -> Iterator[dict[str, Any] | Drop]:
+    """One input line -> records or Drops (at least one of either). `oasst` is how a tree is read: "paths",
+    "best" (conversations) or "pairs"."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -142,13 +152,22 @@ def parse_line(raw: bytes, default_source: str) -> Iterator[dict[str, str] | Dro
         yield Drop("not_an_object")
         return
     try:
-        if "message_tree_id" in obj or isinstance(obj.get("prompt"), dict) and "replies" in obj["prompt"]:
+        source = obj.get("source") if isinstance(obj.get("source"), str) else default_source
+        is_tree = "message_tree_id" in obj or isinstance(obj.get("prompt"), dict) and "replies" in obj["prompt"]
+        if is_tree and oasst != "pairs":
+            for parsed in oasst_threads(obj, oasst):
+                yield _conversation_record(parsed, "oasst")
+        elif is_tree:
             produced = False
             for item in _oasst_records(obj):
                 produced = True
                 yield item
             if not produced:
                 yield Drop("no_pairs")
+        elif "messages" in obj:
+            yield _conversation_record(openai_messages(obj), source)
+        elif "conversations" in obj:
+            yield _conversation_record(sharegpt_messages(obj), source)
         elif "instruction" in obj:
             yield _dolly_record(obj)
         elif "prompt" in obj or "response" in obj:
@@ -163,23 +182,10 @@ def normalize_whitespace(text: str) -> str:
     return " ".join(text.split())
 
 
-def encodable(text: str) -> bool:
-    """False for a lone surrogate, which JSON may escape ("\\ud800"): valid JSON, but no UTF-8 file can hold it,
-    and no tokenizer takes it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def is_text(value: Any) -> bool:
-    """A string that can be written as UTF-8 and tokenised."""
-    return isinstance(value, str) and encodable(value)
-
-
-def check_record(record: dict[str, str], filters: Filters, seen: set[tuple[str, str]]) -> str | None:
+def check_record(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> str | None:
     """The drop reason for a parsed record, or None to keep it."""
+    if "messages" in record:
+        return check_conversation(record, filters, seen)
     prompt, response = record["prompt"], record["response"]
     if not all(encodable(record[key]) for key in ("source", "prompt", "response")):
         return "invalid_unicode"
@@ -200,23 +206,50 @@ def check_record(record: dict[str, str], filters: Filters, seen: set[tuple[str, 
     return None
 
 
-def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple[str, str]]) -> FileReport:
+def check_conversation(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> str | None:
+    """The drop reason for a parsed conversation, or None to keep it. The optional filters read the trained assistant
+    turns: a turn kept as context only ("train": false) teaches nothing, whatever it says."""
+    if not encodable(record["source"]):
+        return "invalid_unicode"
+    answers = [m["content"] for m in record["messages"] if trained(m)]
+    if filters.min_response_chars and any(len(a.strip()) < filters.min_response_chars for a in answers):
+        return "short_response"
+    if filters.drop_ai_disclaimers and any(AI_DISCLAIMER.search(a) for a in answers):
+        return "ai_disclaimer"
+    if filters.drop_refusals and any(REFUSAL.search(a) for a in answers):
+        return "refusal"
+    key = tuple((m["role"], normalize_whitespace(m["content"])) for m in record["messages"])
+    if key in seen:
+        return "duplicate"
+    seen.add(key)
+    return None
+
+
+def record_line(record: dict[str, Any]) -> str:
+    """The output line: a conversation as {"messages", "source"}, a single turn as {"source", "prompt", "response"}."""
+    keys = ("messages", "source") if "messages" in record else ("source", "prompt", "response")
+    return json.dumps({key: record[key] for key in keys}, ensure_ascii=False) + "\n"
+
+
+def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], oasst: str = "paths") -> FileReport:
     """Clean one JSONL file into `out_path`, written atomically (temp file, fsync, rename)."""
     report = FileReport()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide the data from the group that trains on it
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out, open(path, "rb") as src:
             for raw in src:
                 report.lines += 1
-                for item in parse_line(raw, default_source=path.stem):
+                for item in parse_line(raw, default_source=path.stem, oasst=oasst):
                     report.read += 1
                     reason = item.reason if isinstance(item, Drop) else check_record(item, filters, seen)
                     if reason:
                         report.dropped[reason] += 1
                         continue
-                    out.write(json.dumps({"source": item["source"], "prompt": item["prompt"],
-                                          "response": item["response"]}, ensure_ascii=False) + "\n")
+                    out.write(record_line(item))
                     report.kept += 1
             out.flush()
             os.fsync(out.fileno())
@@ -243,11 +276,17 @@ def input_files(inputs: list[str]) -> list[Path]:
     return files
 
 
-def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = None) -> dict[str, Any]:
-    """Clean every input into `output_dir/<name>_clean.jsonl` and write `clean_report.json`. Returns the report."""
+def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = None, oasst: str = "paths"
+          ) -> dict[str, Any]:
+    """Clean every input into `output_dir/<name>_clean.jsonl` and write `clean_report.json`. Returns the report.
+
+    `oasst`: OpenAssistant trees as every thread ("paths"), the best-ranked thread ("best"), or prompt/response
+    pairs ("pairs")."""
+    if oasst not in OASST_MODES:
+        raise UserError(f"--oasst: must be one of {', '.join(OASST_MODES)}, got {oasst!r}")
     filters = filters or Filters()
     output_dir = Path(output_dir)
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple] = set()
     files = input_files(inputs)
     outputs: dict[Path, Path] = {}
     for path in files:
@@ -256,9 +295,9 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
             raise UserError(f"{path}: would overwrite the output of {outputs[out_path]} ({out_path}); "
                             f"clean files with the same name into separate --output-dir folders")
         outputs[out_path] = path
-    report: dict[str, Any] = {"files": {}, "filters": vars(filters)}
+    report: dict[str, Any] = {"files": {}, "filters": vars(filters), "oasst": oasst}
     for out_path, path in outputs.items():
-        report["files"][str(path)] = clean_file(path, out_path, filters, seen).to_dict()
+        report["files"][str(path)] = clean_file(path, out_path, filters, seen, oasst).to_dict()
     totals = Counter()
     for entry in report["files"].values():
         totals.update({key: entry[key] for key in ("lines", "read", "kept")})

@@ -13,12 +13,13 @@ A record's text is its `text_field`, or, when that is unset, its `text` or `cont
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from gpt4all_training.data.clean import is_text
+from gpt4all_training.data.conversations import is_text
 from gpt4all_training.errors import UserError
 
 TEXT_FIELDS = ("text", "content")
@@ -159,20 +160,41 @@ def load_table(dataset_path: str, revision: Optional[str], files: Sequence[str] 
     """`dataset_path` as one `datasets.Dataset`: the local JSONL `files`, or (None) a Hub dataset id, where
     `revision` pins the exact data, or a local dataset repository folder. `advice` ends the error for a bad line."""
     import datasets
+    import pyarrow as pa
 
+    if files is not None:
+        files = [file for file in files if holds_text(Path(file))]  # datasets fails on a blank file
+        if not files:
+            raise UserError(f"dataset_path {dataset_path}: no records (the files are empty); run clean.py on the raw "
+                            f"data and check what it kept")
     try:
-        if files is not None:
-            return datasets.load_dataset("json", data_files=list(files), split="train")
-        return datasets.load_dataset(dataset_path, revision=revision, split="train")
+        if files is None:
+            return datasets.load_dataset(dataset_path, revision=revision, split="train")
+        table = datasets.load_dataset("json", data_files=list(files), split="train")
     except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
         raise cannot_load(dataset_path, exc) from None
     except datasets.exceptions.DatasetGenerationError as exc:
         raise unreadable_jsonl(dataset_path, files, exc, advice) from None
+    try:
+        # datasets' JSON reader lets invalid UTF-8 through; it would fail only when tokenization reads that row.
+        table.data.table.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        raise unreadable_jsonl(dataset_path, files, exc, advice) from None
+    return table
+
+
+def holds_text(path: Path) -> bool:
+    """Whether the file has anything but whitespace (it is read only as far as the first such byte)."""
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 16), b""):
+            if chunk.strip():
+                return True
+    return False
 
 
 def load_records(dataset_path: str, revision: str | None = None):
-    """Prompt/response data as a `datasets.Dataset` with at least prompt and response columns, plus a stable
-    `index` column."""
+    """Fine-tuning data as a `datasets.Dataset` with prompt and response columns, or a messages column
+    (conversations, possibly mixed with prompt/response rows), plus a stable `index` column."""
     path = Path(dataset_path).expanduser()
     files = local_data_files(path)
     if revision and path.exists():
@@ -184,9 +206,23 @@ def load_records(dataset_path: str, revision: str | None = None):
         raise UserError(f"dataset_path: {dataset_path} does not exist")
     ds = load_table(dataset_path, revision, files, "run clean.py on it first")
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
-    if missing:
+    if missing and "messages" not in ds.column_names:
         raise UserError(f"dataset_path {dataset_path}: records lack the field {missing[0]!r}; run clean.py first")
+    if "index" in ds.column_names:  # a record's own "index" gives way to the stable one (training never reads it)
+        ds = ds.remove_columns("index")
     return ds.add_column("index", list(range(len(ds))))
+
+
+def records_fingerprint(ds, columns: Sequence[str] = ("prompt", "response", "messages")) -> str:
+    """SHA-256 of the records' `columns` (those present), row by row in stored order: what a resumed run compares
+    to know it trains on the same data (another file of the same size is other data; a moved file is not)."""
+    present = [c for c in columns if c in ds.column_names]
+    digest = hashlib.sha256(json.dumps(present).encode())
+    for batch in ds.select_columns(present).with_format("arrow").iter(batch_size=4096):
+        for row in batch.to_pylist():
+            digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass"))
+            digest.update(b"\n")
+    return digest.hexdigest()
 
 
 def text_column(ds, dataset_path: str, text_field: Optional[str]) -> str:

@@ -3,18 +3,24 @@
 The boundary is exact at the token level: the prompt and the response are tokenised separately and their ids
 concatenated. Labels follow the Hugging Face convention (the model shifts them): a trained position holds its own
 input id, every other position holds -100. Label 0 is always -100, since nothing predicts the first token.
+
+A dataset with a `messages` column holds conversations: every row (a prompt/response row as one round) is rendered
+with the chat template and labelled by data/chat.py, into the same columns.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gpt4all_training.batch import IGNORE
-from gpt4all_training.data.clean import is_text
+from gpt4all_training.data.chat import end_of_turn_id, tokenized_conversations
+from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
 from gpt4all_training.data.records import load_records
 from gpt4all_training.errors import UserError
@@ -128,12 +134,22 @@ def split_records(ds, val_fraction: float, seed: int):
     return parts["train"], parts["test"]
 
 
-def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: int | None):
+def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: int | None, train_turns: str = "all"):
+    """`ds` with the tokenized columns: prompt/response rows by `template`, or, when it has `messages`, every row
+    by the chat template with `train_turns` ("all" or "last") of each conversation trained."""
     import datasets
 
     features = tokenized_features(ds.features)
     if len(ds) == 0:
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+    if "messages" in ds.column_names:
+        if template == "plain" and getattr(tokenizer, "chat_template", None):
+            raise UserError("prompt_template: 'plain' cannot write conversations (the data has messages); use 'chat' "
+                            "or 'auto'")
+        end_of_turn_id(tokenizer)  # a template that cannot be trained with is one error, not a drop per row
+        return ds.map(tokenized_conversations, batched=True, batch_size=256, num_proc=num_proc, features=features,
+                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "train_turns": train_turns},
+                      desc="tokenizing conversations")
     return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc, features=features,
                   fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template},
                   desc="tokenizing")
@@ -186,9 +202,10 @@ def finish_split(tokenized) -> tuple[Any, DataStats]:
     return kept, stats
 
 
-def load_data(config, tokenizer):
-    """Train and validation splits, tokenised, with the statistics of each: ((train, val), (train_stats, val_stats))."""
-    records = load_records(config.dataset_path, config.revision)
+def load_data(config, tokenizer, records=None):
+    """Train and validation splits, tokenised, with the statistics of each: ((train, val), (train_stats, val_stats)).
+    `records` are load_records' for the config's dataset, when the caller has read them already."""
+    records = load_records(config.dataset_path, config.revision) if records is None else records
     if len(records) == 0:
         raise UserError(f"dataset_path {config.dataset_path}: no records")
     train_raw, val_raw = split_records(records, config.val_fraction, config.seed)
@@ -196,7 +213,7 @@ def load_data(config, tokenizer):
     num_proc = effective_num_proc(config, len(records))
     splits, stats = [], []
     for raw in (train_raw, val_raw):
-        tokenized = tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc)
+        tokenized = tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns)
         kept, split_stats = finish_split(tokenized)
         splits.append(kept)
         stats.append(split_stats)
@@ -205,10 +222,14 @@ def load_data(config, tokenizer):
     return tuple(splits), tuple(stats)
 
 
-# ---------------------------------------------------------------- `data.py --show N`
+# ---------------------------------------------------------------- `data.py --show N` and `--dump FILE`
 
-def show_example(row: dict[str, Any], tokenizer) -> str:
-    """The example as text, with masked (untrained) spans in [[...]] and trained spans in plain text."""
+TRAINED_MARKS = ("{+", "+}")  # wdiff's marks for inserted text; with colour on a terminal, green as well
+TRAINED_COLOUR = ("\x1b[32m", "\x1b[0m")
+
+
+def show_example(row: dict[str, Any], tokenizer, colour: bool = False) -> str:
+    """The example as text, with trained spans between {+ and +} (and green with `colour`), untrained text plain."""
     parts, current, current_masked = [], [], None
     for token, label in zip(row["input_ids"], row["labels"]):
         masked = label == IGNORE
@@ -219,4 +240,20 @@ def show_example(row: dict[str, Any], tokenizer) -> str:
         current_masked = masked
     if current:
         parts.append((current_masked, tokenizer.decode(current)))
-    return "".join(f"[[{text}]]" if masked else text for masked, text in parts)
+    start, end = TRAINED_MARKS
+    if colour:
+        start, end = TRAINED_COLOUR[0] + start, end + TRAINED_COLOUR[1]
+    return "".join(text if masked else f"{start}{text}{end}" for masked, text in parts)
+
+
+def dump_examples(splits: dict[str, Any], path: str | Path) -> int:
+    """One JSON line per example of each split: {"split", "index" (the record's position in dataset_path: its
+    0-based line in a single file), "input_ids", "labels"}. Returns the number of lines written."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for name, split in splits.items():
+            for row in split.select_columns(["index", "input_ids", "labels"]):
+                out.write(json.dumps({"split": name, "index": row["index"], "input_ids": row["input_ids"],
+                                      "labels": row["labels"]}) + "\n")
+                count += 1
+    return count

@@ -24,6 +24,7 @@ Two loaders give the same rows in the same order for the same seed:
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -180,6 +181,10 @@ class MaterializedRows:
 
     def __len__(self) -> int:
         return self.n_rows
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the joined training tokens: what a resumed run compares to know it trains on the same data."""
+        return hashlib.sha256(self.tokens.tobytes()).hexdigest()
 
     def configure(self, rows_per_step: int) -> Optional[int]:
         """Steps per pass at G = `rows_per_step`."""

@@ -9,6 +9,9 @@ Two readers decide what a correct file is: llama.cpp (which GPT4All embeds) and 
 - A tied LM head is left out: both readers then reuse token_embd for the output.
 - The tokenizer is a GPT-2-style byte-level BPE (`tokenizer.ggml.model = "gpt2"`): tokens in the byte alphabet,
   merges as "a b" strings, token type 3 (control) for special tokens.
+- The chat template goes in `tokenizer.chat_template`, and its end-of-turn token (ChatML's <|im_end|>) in
+  `tokenizer.ggml.eot_token_id` and, in place of the tokenizer's own, `tokenizer.ggml.eos_token_id`, as chat models'
+  own configs have it (SmolLM2, Qwen): GPT4All 2.x stops at EOS only, and would otherwise write on past the answer.
 
 GPT-J is refused: transformers has no GGUF reader for it, and llama.cpp names the architecture but has no graph
 for it (the name was reserved for GPT4All's own GPT-J backend, which GPT4All later dropped).
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from gpt4all_training.errors import UserError
+from gpt4all_training.export.template import template_end_of_turn
 
 # --dtype -> the GGUF tensor type of every matrix. Vectors (norm weights) always stay F32, as llama.cpp's converter.
 TENSOR_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
@@ -160,13 +164,15 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict[str, Any]:
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in backend["model"]["merges"]]
     with_special = tokenizer("a")["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    end_of_turn = template_end_of_turn(tokenizer)
     return {
         "tokens": tokens, "types": [int(t) for t in types], "merges": merges,
-        "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
+        "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id if end_of_turn is None else end_of_turn,
         "unk": tokenizer.unk_token_id, "pad": tokenizer.pad_token_id,
         "add_bos": len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id,
         "add_eos": len(with_special) > len(plain) and with_special[-1] == tokenizer.eos_token_id,
         "chat_template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
+        "eot": end_of_turn,
     }
 
 
@@ -218,7 +224,8 @@ def write_gguf(model, tokenizer, path: Path, dtype: str, name: str, license_id: 
     writer.add_token_types(token_info["types"])
     writer.add_token_merges(token_info["merges"])
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+                     ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id),
+                     ("eot", writer.add_eot_token_id)):
         if token_info[key] is not None:
             add(token_info[key])
     writer.add_add_bos_token(token_info["add_bos"])

@@ -9,6 +9,8 @@
 
 A LoRA adapter is merged in fp32 into fp32 base weights (a GGUF base is dequantised first); only the merged result
 is cast to the export dtype. Merging into already-rounded bf16 or quantised weights is what ruins peers' exports.
+
+Both formats carry the chat template and its end-of-turn token (export/template.py); a GGUF gets an Ollama Modelfile.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import yaml
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.export.gguf import TENSOR_TYPES, check_architecture, read_gguf_strings, write_gguf
+from gpt4all_training.export.template import add_template_to_tokenizer_config, ollama_modelfile, stop_token_ids
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
 from gpt4all_training.tracking.tracker import read_metrics
-from gpt4all_training.training.checkpoint import check_deepspeed_files
+from gpt4all_training.training.checkpoint import MARKER, check_deepspeed_files, verify
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_DTYPE = {"hf": "bf16", "gguf": "q8_0"}
@@ -248,6 +251,8 @@ def load_source(source: str, base: str | None = None) -> ExportSource:
     path = Path(source)
     if not path.exists():
         raise UserError(f"--from {source}: not found")
+    if (path / MARKER).is_file() and (problem := verify(path)):  # a checkpoint or final/ that lists its files
+        raise UserError(f"--from {source}: {problem}; export another checkpoint")
     run = read_run_info(path)
     model_dir = path / "model" if (path / "model").is_dir() else path
     base_name = resolve_base(base, run.config) if base else None
@@ -294,6 +299,22 @@ def local_config(source: Path, base: str | None):
 # ---------------------------------------------------------------- writing
 
 
+def training_method(config: dict[str, Any]) -> str:
+    if not config:
+        return "unknown"
+    if not config.get("lora"):
+        return "full fine-tuning"
+    return f"LoRA (r={config.get('lora_r')}, alpha={config.get('lora_alpha')}), merged in fp32"
+
+
+def declared_name(base_gguf: Path | None) -> str | None:
+    """The organization and name a GGUF base declares (e.g. HuggingFaceTB Smollm2 135M ...); its path may say less."""
+    if base_gguf is None:
+        return None
+    fields = read_gguf_strings(base_gguf, ("general.organization", "general.name"))
+    return " ".join(fields[key] for key in ("general.organization", "general.name") if key in fields) or None
+
+
 def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
     """README.md: front matter the Hub reads, then what was trained on what, for how long, with what result."""
     front: dict[str, Any] = {"license": source.license.get("license", "unknown")}
@@ -307,8 +328,10 @@ def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
         ("Training data", config.get("dataset_path", "unknown")
          + (f" (revision {config['revision']})" if config.get("revision") else "")),
         ("Training steps", source.run.steps if source.run.steps is not None else "unknown"),
-        ("Method", "LoRA, merged in fp32" if config.get("lora") else "full fine-tuning" if config else "unknown"),
+        ("Method", training_method(config)),
     ]
+    if declared := declared_name(source.base_gguf):
+        rows.insert(1, ("Base model, as its GGUF names it", declared))
     rows += [(f"Final {key}", f"{value:.4f}") for key, value in sorted(source.run.losses.items())]
     rows += [("Export", f"{fmt} {dtype}"), ("License", source.license.get("license", "unknown"))]
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", "",
@@ -325,8 +348,12 @@ def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
 
 
 def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str) -> None:
+    stops = stop_token_ids(source.tokenizer)
+    if len(stops) > 1:  # generate() stops at any of them: a chat turn ends on its end-of-turn token
+        source.model.generation_config.eos_token_id = stops
     source.model.to(DTYPES[dtype]).save_pretrained(folder, max_shard_size=max_shard_size)
     source.tokenizer.save_pretrained(folder)
+    add_template_to_tokenizer_config(folder, source.tokenizer)
 
 
 def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> None:
@@ -334,8 +361,9 @@ def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -
     base_pre = None
     if source.base_gguf:
         base_pre = read_gguf_strings(source.base_gguf, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
-    write_gguf(source.model, source.tokenizer, folder / f"{name}-{TENSOR_TYPES[dtype]}.gguf", dtype, name,
-               source.license.get("license"), base_pre)
+    path = write_gguf(source.model, source.tokenizer, folder / f"{name}-{TENSOR_TYPES[dtype]}.gguf", dtype, name,
+                      source.license.get("license"), base_pre)
+    (folder / "Modelfile").write_text(ollama_modelfile(path.name, source.tokenizer), encoding="utf-8")
 
 
 def check_output_folder(out: Path) -> None:

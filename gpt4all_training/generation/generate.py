@@ -1,8 +1,10 @@
 """Text generation from a trained model (a merged/full model, or a base plus LoRA adapter).
 
-`python generate.py --config configs/generate/X.yaml [--prompt TEXT | --prompts-file FILE]`; with neither, prompts
-are read from standard input, one per line. Prompts are formatted by `data.format_prompt`, the function training
-used, so the model sees exactly the text it was trained to answer.
+`python generate.py --config configs/generate/X.yaml [--prompt TEXT | --prompts-file FILE | --messages FILE]`; with
+none, prompts are read from standard input, one per line. Prompts are formatted by `data.format_prompt`, the function
+training used, so the model sees exactly the text it was trained to answer. A conversation (`--messages`) is encoded
+by data/chat.py with the generation prompt, as training encoded the turns before each answer, and the reply stops at
+the template's end-of-turn token; so does a prompt written with the chat template.
 
 Sampling is one small pure function over the next-token logits, in the standard order: repetition penalty,
 temperature, top-k, top-p, then a draw (or the argmax when temperature is 0). gpt4all's generate.py silently
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -22,6 +25,8 @@ import torch
 
 from gpt4all_training.config.schemas import GenerateConfig
 from gpt4all_training.data.batching import collate
+from gpt4all_training.data.chat import encode_for_generation, end_of_turn_id
+from gpt4all_training.data.conversations import conversation_problem
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.loading import load_model, tokenizer_for
@@ -140,11 +145,29 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str, max_new_
                    stop: Iterable[str] = (), seed: int = 0, batch_size: int = 8) -> list[str]:
     """Responses to `prompts`, formatted as training formatted them; greedy by default, seeded when sampling."""
     template = resolve_template(template, tokenizer)
+    eos = eos_token_ids(model, tokenizer) | ({end_of_turn_id(tokenizer)} if template == "chat" else set())
+    encode = partial(encode_prompts, tokenizer=tokenizer, template=template)
+    return complete(model, tokenizer, prompts, encode, eos, max_new_tokens, Sampling(temperature, top_k, top_p,
+                    repetition_penalty), stop, seed, batch_size)
+
+
+def generate_replies(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int,
+                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+                     stop: Iterable[str] = (), seed: int = 0, batch_size: int = 8) -> list[str]:
+    """The assistant's next turn in each conversation, from the chat template's generation prompt to its
+    end-of-turn token (or the tokenizer's EOS); greedy by default, seeded when sampling."""
+    eos = eos_token_ids(model, tokenizer) | {end_of_turn_id(tokenizer)}
+    encode = partial(encode_for_generation, tokenizer)
+    return complete(model, tokenizer, conversations, encode, eos, max_new_tokens, Sampling(temperature, top_k, top_p,
+                    repetition_penalty), stop, seed, batch_size)
+
+
+def complete(model, tokenizer, inputs: list, encode: Callable[[list], list[list[int]]], eos: set[int],
+             max_new_tokens: int, sampling: Sampling, stop: Iterable[str], seed: int, batch_size: int) -> list[str]:
+    """The text generated after each input, `encode`d batch by batch, up to an `eos` id or a stop string."""
     stop = [s for s in stop if s]
-    sampling = Sampling(temperature, top_k, top_p, repetition_penalty)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    eos = eos_token_ids(model, tokenizer)
     was_training = model.training
     model.eval()
 
@@ -152,8 +175,8 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str, max_new_
         return cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stop)[1]
 
     texts = []
-    for start in range(0, len(prompts), batch_size):
-        prompt_ids = encode_prompts(prompts[start:start + batch_size], tokenizer, template)
+    for start in range(0, len(inputs), batch_size):
+        prompt_ids = encode(inputs[start:start + batch_size])
         for ids in generate_ids(model, prompt_ids, tokenizer.pad_token_id, eos, max_new_tokens, sampling,
                                 generator, vocab_size=len(tokenizer), should_stop=hit_stop if stop else None):
             texts.append(cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stop)[0])
@@ -188,16 +211,59 @@ def read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
-def load_generator(config: GenerateConfig) -> Callable[[list[str]], list[str]]:
-    """Load the model and tokenizer `config` names (on the GPU when there is one); return prompts -> responses."""
+def read_messages_file(path: str) -> list[list[dict]]:
+    """Conversations to continue: a .json file holds one ({"messages": [...]} or the list of messages itself), any
+    other file one per line (JSONL, each line either form). Each must be one an assistant turn can follow."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"messages_file: {path} does not exist")
+    text = file.read_text(encoding="utf-8")
+    lines = [(None, text)] if file.suffix == ".json" else [(n, line) for n, line in enumerate(text.splitlines(), 1)
+                                                           if line.strip()]
+    conversations = []
+    for number, line in lines:
+        where = f"messages_file {path}" + (f":{number}" if number else "")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{where}: not valid JSON") from None
+        messages = row.get("messages") if isinstance(row, dict) else row
+        # Checked as the conversation it becomes once answered: roles in order, no empty turn.
+        problem = conversation_problem([*messages, {"role": "assistant", "content": "answer"}]) \
+            if isinstance(messages, list) else "malformed_messages"
+        if problem:
+            raise UserError(f"{where}: not a conversation to answer ({problem}); give a list of messages with "
+                            f"'role' and 'content' that ends with a user or tool turn")
+        conversations.append(messages)
+    if not conversations:
+        raise UserError(f"messages_file {path}: no conversations in it")
+    return conversations
+
+
+@dataclass
+class Generator:
+    """A loaded model and tokenizer with the config's sampling: prompts -> responses, conversations -> replies."""
+    model: torch.nn.Module
+    tokenizer: object
+    config: GenerateConfig
+
+    def sampling(self) -> dict:
+        config = self.config
+        return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
+                    top_k=config.top_k, repetition_penalty=config.repetition_penalty, stop=config.stop,
+                    seed=config.seed, batch_size=config.batch_size)
+
+    def answer(self, prompts: list[str]) -> list[str]:
+        return generate_texts(self.model, self.tokenizer, prompts, self.config.prompt_template, **self.sampling())
+
+    def reply(self, conversations: list[list[dict]]) -> list[str]:
+        return generate_replies(self.model, self.tokenizer, conversations, **self.sampling())
+
+
+def load_generator(config: GenerateConfig) -> Generator:
+    """Load the model and tokenizer `config` names (on the GPU when there is one)."""
     tokenizer = tokenizer_for(config)
     model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                        dtype=getattr(torch, config.dtype))
     model.to(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")).eval()
-
-    def answer(batch: list[str]) -> list[str]:
-        return generate_texts(model, tokenizer, batch, config.prompt_template, config.max_new_tokens,
-                              config.temperature, config.top_p, config.top_k, config.repetition_penalty,
-                              config.stop, config.seed, config.batch_size)
-
-    return answer
+    return Generator(model, tokenizer, config)

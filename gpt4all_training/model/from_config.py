@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
@@ -32,7 +33,11 @@ def resolve_model_config(config: TrainConfig, tokenizer):
     for key, value in (config.model_config_overrides or {}).items():
         if not hasattr(text, key):
             raise UserError(f"model_config_overrides: {key!r} is not a field of {type(text).__name__}")
-        setattr(text, key, value)
+        try:
+            setattr(text, key, value)
+        except (ValueError, TypeError, StrictDataclassError) as exc:  # transformers validates some fields' types
+            reason = (str(exc).splitlines() or [type(exc).__name__])[-1].strip()[:200]
+            raise UserError(f"model_config_overrides: {key}: {reason}") from None
     text.vocab_size = len(tokenizer)  # the vocabulary follows the tokenizer, whatever the base config said
     for kind in ("bos", "eos", "pad"):
         setattr(text, f"{kind}_token_id", getattr(tokenizer, f"{kind}_token_id"))
@@ -43,8 +48,13 @@ def build_model_from_config(config: TrainConfig, tokenizer):
     """A randomly initialised AutoModelForCausalLM (seeded by the caller's torch seed), in fp32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(resolve_model_config(config, tokenizer), dtype=torch.float32,
-                                             trust_remote_code=config.trust_remote_code)
+    model_config = resolve_model_config(config, tokenizer)
+    try:
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32,
+                                                 trust_remote_code=config.trust_remote_code)
+    except (ValueError, TypeError, StrictDataclassError) as exc:  # e.g. n_head not dividing n_embd
+        raise UserError(f"model_config_overrides: the model cannot be built from them "
+                        f"({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}); fix the values") from None
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

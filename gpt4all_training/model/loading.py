@@ -9,23 +9,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from gpt4all_training.config.blocks import ModelSource
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.chat_templates import apply_chat_template_option
+
+# Files a tokenizer is read from; a folder with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
-def model_source(name: str, gguf_file: str | None = None) -> tuple[str, dict[str, Any]]:
-    """Split `model_name` into what from_pretrained takes: a `.gguf` path becomes its folder plus `gguf_file`."""
+def model_source(name: str, gguf_file: str | None = None, key: str = "model_name") -> tuple[str, dict[str, Any]]:
+    """Split `model_name` into what from_pretrained takes: a `.gguf` path becomes its folder plus `gguf_file`.
+    `key` is the config key that named it, for the error lines."""
     if name.endswith(".gguf"):
         path = Path(name)
         if not path.is_file():
-            raise UserError(f"model_name: GGUF file {name} not found")
+            raise UserError(f"{key}: GGUF file {name} not found")
         return str(path.parent), {"gguf_file": path.name}
     if gguf_file:
         return name, {"gguf_file": gguf_file}
     looks_local = name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") > 1
     if looks_local and not Path(name).expanduser().exists():
-        raise UserError(f"model_name: {name} does not exist; give a local folder or a Hub id like org/name")
+        raise UserError(f"{key}: {name} does not exist; give a local folder or a Hub id like org/name")
+    path = Path(name).expanduser()
+    if (path / "model").is_dir() and (path / "state.json").is_file():
+        instead = (f"give its model folder, {path / 'model'} (a checkpoint holds no tokenizer: set tokenizer_name to "
+                   f"the base model)" if key == "model_name" else "give the base model's tokenizer")
+        raise UserError(f"{key}: {name} is a training checkpoint; {instead}")
     return name, {}
 
 
@@ -52,6 +64,10 @@ def loading_errors(what: str):
         yield
     except OSError as exc:
         raise UserError(f"{what}: cannot load ({str(exc).splitlines()[0]})") from None
+    except SafetensorError as exc:
+        reason = (str(exc).splitlines() or [""])[0][:200]
+        raise UserError(f"{what}: unreadable safetensors weights ({reason}); the file is corrupt or cut short: copy "
+                        f"or export it again") from None
     except (ValueError, pickle.UnpicklingError) as exc:
         refused = refusal(what, exc)
         if refused is None:
@@ -60,14 +76,20 @@ def loading_errors(what: str):
 
 
 def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None = None,
-                   trust_remote_code: bool = False):
-    """A fast tokenizer with a pad token: EOS stands in when the model has none (no new tokens are ever added)."""
+                   trust_remote_code: bool = False, key: str = "model_name"):
+    """A fast tokenizer with a pad token: EOS stands in when the model has none (no new tokens are ever added).
+    `key` is the config key that named it, for the error lines."""
     from transformers import AutoTokenizer
 
-    source, extra = model_source(name, gguf_file)
+    source, extra = model_source(name, gguf_file, key)
     if is_adapter_folder(source) and not (Path(source) / "tokenizer_config.json").is_file():
         source = adapter_base(source)
-    with loading_errors(f"tokenizer {name}"):
+    folder = Path(source).expanduser()
+    if not extra and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer (one token, every text encoded as nothing) from such a folder.
+        raise UserError(f"{key}: {name} holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); set "
+                        f"tokenizer_name to the model the tokenizer comes from")
+    with loading_errors(f"{key} {name}"):
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
                                                   trust_remote_code=trust_remote_code, **extra)
     if tokenizer.pad_token is None:
@@ -76,9 +98,11 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
 
 
 def tokenizer_for(config: ModelSource):
-    """The tokenizer a train, inference, generate, plan or check config names (its model's, unless tokenizer_name)."""
-    return load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
-                          config.trust_remote_code)
+    """The tokenizer a train, inference, generate, plan or check config names (its model's, unless tokenizer_name),
+    with the config's chat_template when it sets one."""
+    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
+                               config.trust_remote_code, "tokenizer_name" if config.tokenizer_name else "model_name")
+    return apply_chat_template_option(tokenizer, config.chat_template)
 
 
 def adapter_base(adapter_dir: str) -> str:
@@ -96,7 +120,8 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
         from peft import PeftModel
 
         base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, gradient_checkpointing)
-        return PeftModel.from_pretrained(base, name)
+        with loading_errors(f"model_name {name}"):
+            return PeftModel.from_pretrained(base, name)
     source, extra = model_source(name, gguf_file)
     # transformers 5 always builds the model empty and loads weights into it (what low_cpu_mem_usage was), and
     # under ZeRO-3 partitions each parameter as it is built, so no rank ever holds a whole fp32 copy.
@@ -115,3 +140,12 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
+
+
+def check_positions(model, max_length: int) -> None:
+    """Refuse a max_length beyond the model's table of positions: the first example that long would fail inside the
+    forward pass (an index out of range), after the data and the model are loaded."""
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if positions and max_length > positions:
+        raise UserError(f"max_length: {max_length} exceeds the model's {positions} positions; set max_length to at "
+                        f"most {positions}")

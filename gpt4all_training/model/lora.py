@@ -10,6 +10,10 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
     """Wrap `model` with a LoRA adapter; unset target modules means PEFT's default for the architecture."""
     from peft import LoraConfig, get_peft_model
 
+    width = getattr(model.config.get_text_config(), "hidden_size", None)
+    if width and r > width:
+        # A rank above the model's width is no longer low-rank: the adapter would outweigh the layers it adapts.
+        raise UserError(f"lora_r: {r} exceeds the model's width {width}; use at most {width} (8 to 64 is usual)")
     config = LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=target_modules or None)
     if gradient_checkpointing:

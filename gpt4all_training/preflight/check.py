@@ -264,12 +264,13 @@ def check_trackers(config) -> list[Outcome]:
 # ---------------------------------------------------------------- the dry run
 
 def dry_run_config(config, objective, data_dir: Path, output_dir: Path):
-    """The config on DRY_RUN_EXAMPLES examples for DRY_RUN_STEPS steps: no evaluation, saves, trackers or Hub."""
+    """The config on DRY_RUN_EXAMPLES examples for DRY_RUN_STEPS steps: no evaluation, saves, trackers or Hub, and
+    the tokenized sample cached in the temporary output_dir, not in a shared cache_dir."""
     data_file = data_dir / objective.dry_run_file
-    changes = dict(dataset_path=str(data_file), revision=None, output_dir=str(output_dir), max_steps=DRY_RUN_STEPS,
-                   num_epochs=DRY_RUN_STEPS, batch_size=1, gradient_accumulation_steps=1, val_fraction=0.0,
-                   eval_every=None, save_every=None, report_to=["jsonl"], wandb=False, push_to_hub=False,
-                   resume=None, checkpoint=None, group_by_length=False, num_proc=1)
+    changes = dict(dataset_path=str(data_file), revision=None, output_dir=str(output_dir), cache_dir=None,
+                   max_steps=DRY_RUN_STEPS, num_epochs=DRY_RUN_STEPS, batch_size=1, gradient_accumulation_steps=1,
+                   val_fraction=0.0, eval_every=None, save_every=None, report_to=["jsonl"], wandb=False,
+                   push_to_hub=False, resume=None, checkpoint=None, group_by_length=False, num_proc=1)
     return validate(dataclasses.replace(config, **changes)), data_file
 
 

@@ -1,56 +1,157 @@
-"""report.html: the training and validation loss curves and the run's throughput, as one self-contained page."""
+"""report.html: the run's curves, drawn by matplotlib, and its summary, as one self-contained page.
+
+Each panel is an inline SVG with its text kept as text (`svg.fonttype: none`), so tick labels, legends and titles
+are searchable and readable in the DOM, and every drawn series carries an id (`train-loss`, `validation-loss`, ...).
+Panels: the training loss (raw and smoothed) with the validation loss (markers, so one evaluation still shows),
+learning rate, gradient norm, tokens per second, padding fraction and peak memory; a panel whose metric was never
+logged is left out.
+"""
 
 from __future__ import annotations
 
 import html
+import io
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from gpt4all_training.tracking.tracker import read_metrics
 
+# (panel id, title, y label, [(metric, legend label)], log scale when the values span more than 100x)
+PANELS = [
+    ("lr", "Learning rate", "lr", [("lr", "learning rate")], False),
+    ("grad-norm", "Gradient norm (before clipping)", "norm", [("grad_norm", "gradient norm")], True),
+    ("throughput", "Throughput", "tokens/s", [("tokens_per_s", "tokens/s"),
+                                              ("trained_tokens_per_s", "trained tokens/s")], False),
+    ("padding", "Padding", "fraction of positions", [("padding_fraction", "padding fraction")], False),
+    ("memory", "Peak memory", "MiB", [("peak_rss_mb", "host RSS"), ("peak_gpu_mb", "GPU allocated")], False),
+]
+SMOOTHED_FROM = 10  # logged steps; fewer are all visible as they are
+COLORS = {"train": "#1f77b4", "smoothed": "#0b3c66", "validation": "#ff7f0e"}
+PAGE_STYLE = ("body{font-family:sans-serif;margin:16px;color:#222}figure{margin:0}figure svg{width:100%;height:auto}"
+              ".panels{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:12px}"
+              "table{border-collapse:collapse;margin-top:12px}th,td{padding:2px 10px;border-bottom:1px solid #ddd;"
+              "text-align:left}td{font-variant-numeric:tabular-nums}")
 
-def _polyline(points: list[tuple[float, float]], box: tuple[float, float, float, float], width: int,
-              height: int) -> str:
-    x0, x1, y0, y1 = box
-    sx = (width - 60) / max(x1 - x0, 1e-9)
-    sy = (height - 40) / max(y1 - y0, 1e-9)
-    return " ".join(f"{50 + (x - x0) * sx:.1f},{height - 25 - (y - y0) * sy:.1f}" for x, y in points)
+
+def readable(value: Any) -> str:
+    """A value as people read it: integers whole, large floats without decimals, other floats to 4 significant
+    digits, text as it is, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return json.dumps(value)
+    if isinstance(value, int) or not math.isfinite(value):
+        return str(value)
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
 
 
-def loss_chart(rows: list[dict[str, Any]], width: int = 720, height: int = 320) -> str:
-    """An inline SVG with train loss (blue) and validation loss (orange) against the optimiser step."""
-    # A skipped step (nan_policy: skip) logs a NaN loss: it is counted in the summary, not drawn.
-    train = [(r["step"], r["loss"]) for r in rows if math.isfinite(r.get("loss", math.nan))]
-    val = [(r["step"], r["val_loss"]) for r in rows if math.isfinite(r.get("val_loss", math.nan))]
-    points = train + val
-    if not points:
-        return "<p>No loss was logged.</p>"
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    box = (min(xs), max(xs), min(ys), max(ys))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">',
-             f'<rect width="{width}" height="{height}" fill="white" stroke="#ccc"/>',
-             f'<text x="50" y="15" font-size="12">loss {box[3]:.3f}</text>',
-             f'<text x="50" y="{height - 5}" font-size="12">loss {box[2]:.3f} | step {box[0]} .. {box[1]}</text>']
-    for series, color in ((train, "#1f77b4"), (val, "#ff7f0e")):
-        if series:
-            parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" '
-                         f'points="{_polyline(series, box, width, height)}"/>')
-    parts.append("</svg>")
-    return "".join(parts)
+def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of every row with a finite `key`: a skipped step (nan_policy: skip) logs NaN, not drawn."""
+    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def smoothed(values: list[float]) -> list[float]:
+    """An exponential moving average over about a tenth of the points (pandas' ewm, bias-corrected at the start)."""
+    import pandas as pd
+
+    return pd.Series(values).ewm(span=max(2, len(values) // 10)).mean().tolist()
+
+
+def new_axes(title: str, ylabel: str):
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to a file only
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=100)
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.ticklabel_format(axis="y", useOffset=False, style="sci", scilimits=(-3, 5))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, also for a one-step run
+    return fig, ax
+
+
+def to_svg(fig, panel: str) -> str:
+    """The figure as an inline <svg> element: text as text, no date, ids unique to the panel."""
+    import matplotlib.pyplot as plt
+    from matplotlib import rc_context
+
+    buffer = io.StringIO()
+    # hashsalt: matplotlib derives clip-path ids from it; two inline SVGs sharing an id would share a clip.
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": panel}):
+        fig.tight_layout()
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]
+
+
+def loss_panel(rows: list[dict[str, Any]]) -> Optional[str]:
+    steps, loss = series(rows, "loss")
+    val_steps, val_loss = series(rows, "val_loss")
+    if not steps and not val_steps:
+        return None
+    fig, ax = new_axes("Loss", "loss (nats per trained token)")
+    if steps:
+        ax.plot(steps, loss, color=COLORS["train"], alpha=0.35, linewidth=1, marker="." if len(steps) < 50 else None,
+                label="train loss", gid="train-loss")
+        if len(steps) >= SMOOTHED_FROM:
+            ax.plot(steps, smoothed(loss), color=COLORS["smoothed"], linewidth=2, label="train loss (smoothed)",
+                    gid="train-loss-smoothed")
+    if val_steps:
+        ax.plot(val_steps, val_loss, color=COLORS["validation"], marker="o", markersize=6, linewidth=1.5,
+                label="validation loss", gid="validation-loss")
+    ax.legend(loc="upper right", fontsize=9)
+    return to_svg(fig, "loss")
+
+
+def metric_panel(rows: list[dict[str, Any]], panel: str, title: str, ylabel: str,
+                 metrics: list[tuple[str, str]], log_when_wide: bool) -> Optional[str]:
+    drawn = [(key, label, *series(rows, key)) for key, label in metrics]
+    drawn = [d for d in drawn if d[2]]
+    if not drawn:
+        return None
+    fig, ax = new_axes(title, ylabel)
+    for key, label, steps, values in drawn:
+        # markers too: a metric logged once is one point, which a line alone would not show
+        ax.plot(steps, values, marker="." if len(steps) < 50 else None, linewidth=1.5, label=label,
+                gid=key.replace("_", "-"))
+    values = [v for d in drawn for v in d[3]]
+    if log_when_wide and min(values) > 0 and max(values) / min(values) > 100:
+        ax.set_yscale("log")
+    ax.legend(loc="best", fontsize=9)
+    return to_svg(fig, panel)
+
+
+def figure(panel: str, svg: str) -> str:
+    return f"<figure class='panel' id='panel-{panel}'>{svg}</figure>"
 
 
 def write_report(output_dir: str | Path, summary: dict[str, Any]) -> Path:
     output_dir = Path(output_dir)
     rows = read_metrics(output_dir / "metrics.jsonl")
-    table = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(json.dumps(v))}</td></tr>"
+    panels = []
+    if (svg := loss_panel(rows)) is not None:
+        panels.append(figure("loss", svg))
+    for panel, title, ylabel, metrics, log_when_wide in PANELS:
+        if (svg := metric_panel(rows, panel, title, ylabel, metrics, log_when_wide)) is not None:
+            panels.append(figure(panel, svg))
+    body = (f"<div class='panels'>{''.join(panels)}</div>" if panels else "<p>No loss was logged.</p>")
+    table = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(readable(v))}</td></tr>"
                     for k, v in summary.items())
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>training report</title></head>"
-            f"<body style='font-family:sans-serif'><h1>Training report</h1>"
-            f"<p><span style='color:#1f77b4'>train loss</span> and "
-            f"<span style='color:#ff7f0e'>validation loss</span> by optimiser step</p>{loss_chart(rows)}"
-            f"<table>{table}</table></body></html>")
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>training report</title>"
+            f"<style>{PAGE_STYLE}</style></head><body><h1>Training report</h1>{body}"
+            f"<h2>Summary</h2><table>{table}</table></body></html>")
     path = output_dir / "report.html"
-    path.write_text(page, encoding="utf-8")
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
     return path

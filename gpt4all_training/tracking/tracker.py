@@ -13,13 +13,23 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from gpt4all_training.config.secrets import redact
+from gpt4all_training.errors import TrainingError, write_failure
+
 SECRET_KEYS = ("token", "password", "secret", "api_key")
 WANDB_ID_FILE = "wandb_run_id"
 
 
 def public_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The config as it may be logged: anything that looks like a credential is left out."""
-    return {k: v for k, v in config.items() if not k.lower().endswith(SECRET_KEYS)}
+    """The config as it may be logged: anything that looks like a credential is left out, and a credential from the
+    environment pasted into another value is hidden."""
+    return redact({k: v for k, v in config.items() if not k.lower().endswith(SECRET_KEYS)})
+
+
+def metrics_write_error(path: Path, exc: OSError, when: str) -> TrainingError:
+    reason, advice = write_failure(exc)
+    return TrainingError(f"{when}: could not write {path} ({reason}); {advice}, then rerun with resume=auto to "
+                         f"continue from the last checkpoint")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -63,8 +73,11 @@ class Tracker:
             # On resume, rows logged after the checkpoint are replayed; drop them so steps stay unique and monotone.
             kept = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= resume_step]
             tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-            os.replace(tmp, self.metrics_path)
+            try:
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+                os.replace(tmp, self.metrics_path)
+            except OSError as exc:
+                raise metrics_write_error(self.metrics_path, exc, f"step {resume_step}") from None
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -72,7 +85,8 @@ class Tracker:
         if "wandb" in report_to:
             import wandb
 
-            self.wandb_run = wandb.init(project=project, entity=entity, config=public_config(config),
+            # A credential pasted into the project or entity would otherwise be stored in wandb's own files.
+            self.wandb_run = wandb.init(project=redact(project), entity=redact(entity), config=public_config(config),
                                         dir=str(output_dir), id=wandb_run_id(output_dir, resume_step),
                                         resume="allow")
 
@@ -81,8 +95,11 @@ class Tracker:
             return
         row = {"step": step, **metrics}
         if self.jsonl:
-            with open(self.metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            try:
+                with open(self.metrics_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as exc:  # a full disk, a read-only remount
+                raise metrics_write_error(self.metrics_path, exc, f"step {step}") from None
         if self.tensorboard is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):

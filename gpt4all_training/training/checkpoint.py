@@ -3,9 +3,11 @@
 `output_dir/step_N/` holds:
 - `model/`: the full model or the adapter (safetensors), `optimizer.pt`, `scheduler.pt`, and `scaler.pt` when
   fp16 uses a gradient scaler; under DeepSpeed, `deepspeed/` (the engine's state, one optimiser partition per rank)
-  takes the place of `optimizer.pt`;
+  and under FSDP2, `fsdp/` (each rank's shards of the trainable weights and optimiser state) take the place of
+  `optimizer.pt`;
 - `rng/rank{r}.pt`: every RNG of each rank (Python, NumPy, torch, CUDA), loadable with `weights_only=True`;
-- `state.json`: the global optimiser step and the trained-token count, plus the sampler's state for readers;
+- `state.json`: the global optimiser step and the trained-token count, plus the sampler's state for readers, the
+  run's id and the SHA-256 of its data (`data_fingerprint`);
 - `data_state.pt`: when the data is streamed, the stream's position (pretrain_data.StreamedRows.state_dict);
 - `config.yaml`: the config that produced it;
 - last, the `COMPLETE` marker, which lists every file's SHA-256.
@@ -15,13 +17,21 @@ stream again up to it): the order of an epoch is a function of (seed, epoch), an
 `epoch, position = divmod(step, steps_per_epoch)`. state.json also records epoch, position, seed and the global
 batch, so a resume that would map the step to different examples (another seed, batch or dataset) is refused.
 
-A checkpoint is written as `step_N.tmp/`, fsynced, then renamed to `step_N/`. A folder without a valid marker, and
-any `.tmp` folder, is never loaded. Old checkpoints are rotated away only after the new one is complete.
+A checkpoint is written as `step_N.tmp/`, fsynced, then renamed to `step_N/`. A folder without a valid marker (or
+whose safetensors cannot be read), and any `.tmp` folder, is never loaded.
+
+A run has an id, kept in each of its checkpoints and in `output_dir/run_id` (the run last started there). A fresh
+run gets a new one; a resumed run keeps its checkpoint's. `resume=auto` continues the run named in `run_id` (or,
+without that file, the newest valid checkpoint) and never another run's checkpoints, which it reports and skips.
+Rotation deletes only this run's checkpoints, and only those older than the newest `keep_last` that verify; it runs
+after every save, and when a run starts and ends (a kill between a save and its rotation leaves one too many). It
+never deletes another run's checkpoints, a corrupt checkpoint newer than the kept ones, or the checkpoint a resume
+started from before a newer valid one exists. A checkpoint this run must replace (its name taken by another run's,
+or by one of this run past the step it resumes from) is renamed `step_N.set-aside-K`, never deleted.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -29,22 +39,28 @@ import os
 import pickle
 import random
 import re
+import secrets
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 import yaml
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from gpt4all_training.backends.deepspeed import deepspeed_pickled_types
-from gpt4all_training.errors import TrainingError, UserError
+from gpt4all_training.config.secrets import redact
+from gpt4all_training.errors import TrainingError, UserError, write_failure
+from gpt4all_training.training.resume_config import check_config_changes, hyperparameters, restore_hyperparameters
 from gpt4all_training.training.state import TrainState
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
+RUN_ID_FILE = "run_id"  # in output_dir: the id of the run last started there
+FINAL_DIR = "final"
 # Saved in state.json; if any differs at resume, global step s would be other examples than it was.
 SAMPLER_KEYS = ("seed", "n_examples", "examples_per_step", "group_by_length")
 
@@ -76,13 +92,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- the sampler's state
 
-def training_state(step: int, trained_tokens: int, sampler) -> dict[str, Any]:
-    """state.json: the step (the only thing resume needs) and what derives from it, for readers and checks."""
+def training_state(step: int, trained_tokens: int, sampler, run_id: str | None = None,
+                   data_fingerprint: str | None = None) -> dict[str, Any]:
+    """state.json: the step (the only thing resume needs) and what derives from it, for readers and checks, with
+    the run's id and its data's content hash."""
     epoch, position = divmod(step, sampler.steps_per_epoch)
     return {"step": step, "epoch": epoch, "position": position, "steps_per_epoch": sampler.steps_per_epoch,
             "seed": sampler.seed, "n_examples": sampler.n_examples, "examples_per_step": sampler.examples_per_step,
             "group_by_length": getattr(sampler, "lengths", None) is not None, "world_size": sampler.world_size,
-            "trained_tokens": trained_tokens}
+            "trained_tokens": trained_tokens, "run_id": run_id, "data_fingerprint": data_fingerprint}
 
 
 def check_resumable(state: dict[str, Any], sampler, folder: Path) -> None:
@@ -141,10 +159,16 @@ def load_tensors(path: Path, map_location: str | None = None, mmap: bool = False
 
 
 def check_deepspeed_files(folder: Path) -> None:
-    """Refuse a DeepSpeed checkpoint whose files hold more than tensors, plain values and deepspeed_pickled_types.
-    DeepSpeed reads its files with weights_only=False, which runs whatever code a pickle names, so each file is
-    opened by the weights-only unpickler first; memory-mapped, so this checks the structure without reading tensors."""
-    with torch.serialization.safe_globals(deepspeed_pickled_types()):
+    """check_engine_files for DeepSpeed's engine state."""
+    check_engine_files(folder, deepspeed_pickled_types())
+
+
+def check_engine_files(folder: Path, allowed: list[type]) -> None:
+    """Refuse engine state (deepspeed/, fsdp/) whose files hold more than tensors, plain values and the `allowed`
+    classes. DeepSpeed reads its files with weights_only=False, which runs whatever code a pickle names, so each file
+    is opened by the weights-only unpickler first; memory-mapped, so this checks the structure without reading
+    tensors."""
+    with torch.serialization.safe_globals(allowed):
         for path in sorted(folder.rglob("*.pt")):
             load_tensors(path, map_location="cpu", mmap=True)
 
@@ -169,6 +193,19 @@ def verify(folder: Path) -> str | None:
             return f"{name} is missing"
         if sha256(path) != digest:
             return f"{name} does not match its checksum (corrupted or truncated)"
+        if name.endswith(".safetensors") and (problem := safetensors_problem(path)):
+            return f"{name} {problem}"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file cannot be read, or None. The checksums only say a file is what was written; a file
+    garbled before its checksum was taken passes them."""
+    try:
+        with safe_open(str(path), framework="pt") as tensors:
+            tensors.keys()
+    except (SafetensorError, OSError) as exc:
+        return f"is not readable safetensors ({(str(exc).splitlines() or [type(exc).__name__])[0][:120]})"
     return None
 
 
@@ -181,11 +218,52 @@ def checkpoint_dirs(output_dir: str | Path, pattern: re.Pattern = STEP_DIR) -> l
     return sorted(found)
 
 
-def latest_checkpoint(output_dir: str | Path, log: Callable[[str], Any] = print) -> Path | None:
-    """The newest checkpoint that verifies. Interrupted saves and corrupted checkpoints are reported and skipped."""
+def saved_run_id(folder: Path) -> str | None:
+    """The run id in the checkpoint's state.json; None when it has none (written before run ids) or is unreadable."""
+    try:
+        return json.loads((folder / "state.json").read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def read_run_id(output_dir: str | Path) -> str | None:
+    """The id of the run last started in output_dir, or None (no run yet, or one from before run ids)."""
+    path = Path(output_dir) / RUN_ID_FILE
+    if not path.is_file():
+        return None
+    return path.read_text(encoding="utf-8").strip() or None
+
+
+def write_run_id(output_dir: Path, run_id: str) -> None:
+    tmp = output_dir / (RUN_ID_FILE + ".tmp")
+    tmp.write_text(run_id, encoding="utf-8")
+    os.replace(tmp, output_dir / RUN_ID_FILE)
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(8)
+
+
+def checked(folder: Path, verified: dict[Path, str | None]) -> str | None:
+    """verify(folder), computed once per process: rotation asks about the same folders at every save, and hashing a
+    large checkpoint takes minutes."""
+    if folder not in verified:
+        verified[folder] = verify(folder)
+    return verified[folder]
+
+
+def latest_checkpoint(output_dir: str | Path, log: Callable[[str], Any] = print, run_id: str | None = None,
+                      verified: dict[Path, str | None] | None = None) -> Path | None:
+    """The newest checkpoint that verifies, of the run `run_id` when given. Another run's checkpoints, interrupted
+    saves and corrupted checkpoints are reported and skipped."""
+    verified = {} if verified is None else verified
     newest = None
     for _, folder in reversed(checkpoint_dirs(output_dir)):
-        problem = verify(folder)
+        if run_id is not None and (other := saved_run_id(folder)) != run_id:
+            log(f"skipping checkpoint {folder}: written by another run ({other or 'without a run id'}), not by "
+                f"{Path(output_dir) / RUN_ID_FILE}'s run {run_id}; to continue that run, pass checkpoint={folder}")
+            continue
+        problem = checked(folder, verified)
         if problem is None:
             newest = folder
             break
@@ -197,23 +275,44 @@ def latest_checkpoint(output_dir: str | Path, log: Callable[[str], Any] = print)
     return newest
 
 
-def previous_checkpoint_note(output_dir: Path) -> str:
-    complete = [p for _, p in checkpoint_dirs(output_dir) if (p / MARKER).is_file()]
+def previous_checkpoint_note(output_dir: Path, run_id: str | None = None) -> str:
+    """Which checkpoint a failed write leaves to resume from: the newest complete one (of run `run_id`, when given)."""
+    complete = [p for _, p in checkpoint_dirs(output_dir)
+                if (p / MARKER).is_file() and (run_id is None or saved_run_id(p) == run_id)]
     return f"the previous checkpoint {complete[-1]} is intact" if complete else "there is no earlier checkpoint"
 
 
-def rotate(output_dir: str | Path, keep_last: int | None, keep_every: int | None = None) -> None:
-    """After a save completed: delete all but the newest `keep_last` complete checkpoints, sparing multiples of
-    `keep_every` (permanent), and the leftovers of interrupted saves. Main process only, never during a save."""
+def rotate(output_dir: str | Path, run_id: str, keep_last: int | None, keep_every: int | None = None,
+           started_from: Path | None = None, verified: dict[Path, str | None] | None = None) -> None:
+    """Delete the leftovers of interrupted saves, and the checkpoints of run `run_id` (and `started_from`, the
+    checkpoint a resume started from) older than its newest `keep_last` valid ones, sparing multiples of
+    `keep_every` (permanent). Another run's checkpoints, and corrupt ones newer than those kept, are left alone.
+    Main process only, never during a save."""
     for _, folder in checkpoint_dirs(output_dir, TMP_DIR):
         shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(Path(output_dir) / (FINAL_DIR + ".tmp"), ignore_errors=True)
     if keep_last is None:
         return
-    complete = [(s, p) for s, p in checkpoint_dirs(output_dir) if (p / MARKER).is_file()]
-    for step, folder in complete[:-keep_last]:
-        if keep_every and step % keep_every == 0:
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
+    verified = {} if verified is None else verified
+    ours = [(step, folder) for step, folder in checkpoint_dirs(output_dir)
+            if folder == started_from or saved_run_id(folder) == run_id]
+    valid = 0
+    for step, folder in reversed(ours):
+        if valid < keep_last:
+            valid += checked(folder, verified) is None
+        elif not (keep_every and step % keep_every == 0):
+            shutil.rmtree(folder, ignore_errors=True)
+            verified.pop(folder, None)
+
+
+def set_aside(folder: Path, log: Callable[[str], Any], why: str) -> Path:
+    """Rename a checkpoint this run must not overwrite to step_N.set-aside-K (a name nothing loads or rotates)."""
+    number = 1
+    while (target := folder.with_name(f"{folder.name}.set-aside-{number}")).exists():
+        number += 1
+    os.replace(folder, target)
+    log(f"{why}: renamed {folder} to {target.name}; nothing loads or deletes it")
+    return target
 
 
 # ---------------------------------------------------------------- save / load
@@ -234,7 +333,7 @@ def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: d
         state_dict = backend.saveable_state_dict(model)  # gathers ZeRO-3 shards: every rank must call it
         torch_save(rng_state(), tmp / "rng" / f"rank{backend.rank}.pt")
         if backend.engine_saves_state:
-            backend.save_engine_state(model, tmp / "deepspeed")
+            backend.save_engine_state(model, optimizer, tmp / backend.engine_state_dir)
         if backend.is_main_process:
             backend.unwrap(model).save_pretrained(tmp / "model", state_dict=state_dict, safe_serialization=True)
             if not backend.engine_saves_state:
@@ -256,42 +355,67 @@ def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: d
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
         if backend.is_main_process:  # the one writer of the folder; a later rotate() sweeps what remains
             shutil.rmtree(tmp, ignore_errors=True)
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        denied = getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS)
+        reason, advice = write_failure(exc)
         raise TrainingError(f"step {state['step']}: could not write checkpoint {folder} ({reason}); "
-                            f"{previous_checkpoint_note(folder.parent)}. "
-                            f"{'Make output_dir writable' if denied else 'Free disk space'}, then rerun with "
-                            f"resume=auto") from exc
+                            f"{previous_checkpoint_note(folder.parent, state.get('run_id'))}. "
+                            f"{advice.capitalize()}, then rerun with resume=auto") from exc
     backend.wait_for_everyone()
     return folder
 
 
-def save_step_checkpoint(output_dir: Path, state: TrainState, sampler, backend, model, optimizer, scheduler,
-                         config_yaml: str, keep_last: int | None, keep_every: int | None) -> Path:
-    """The loop's checkpoint: step_N/ with the sampler's state, then rotation of older ones."""
-    folder = save_checkpoint(output_dir / f"step_{state.step}", backend, model, optimizer, scheduler,
-                             training_state(state.step, state.trained_tokens, sampler), config_yaml,
-                             sampler.data_state())
+def save_step_checkpoint(output_dir: Path, state: TrainState, checkpointer: "Checkpointer", model, optimizer,
+                         scheduler) -> Path:
+    """The loop's checkpoint: step_N/ with the sampler's state and the run's identity, then rotation of older ones."""
+    backend = checkpointer.backend
+    folder = output_dir / f"step_{state.step}"
+    if backend.is_main_process and folder.is_dir() and saved_run_id(folder) != checkpointer.lineage.run_id:
+        set_aside(folder, backend.print, f"{folder.name} holds another run's checkpoint")
+    save_checkpoint(folder, backend, model, optimizer, scheduler,
+                    training_state(state.step, state.trained_tokens, checkpointer.sampler,
+                                   checkpointer.lineage.run_id, checkpointer.fingerprint),
+                    checkpointer.config_yaml, checkpointer.sampler.data_state())
     if backend.is_main_process:
-        rotate(output_dir, keep_last, keep_every)
+        checkpointer.lineage.verified[folder] = None  # just written and hashed
+        checkpointer.rotate()
     return folder
 
 
-class Checkpointer:
-    """The loop's step_N/ checkpoints: due every save_every steps but the last (final/ is written then)."""
+@dataclass
+class Lineage:
+    """Which checkpoints in output_dir are this run's: those with its id, and the one a resume started from."""
+    run_id: str
+    started_from: Path | None = None
+    verified: dict[Path, str | None] = field(default_factory=dict)  # verify() of the folders checked so far
 
-    def __init__(self, config, backend, sampler, total_steps: int) -> None:
+
+class Checkpointer:
+    """The loop's step_N/ checkpoints: due every save_every steps but the last (final/ is written then), and rotated
+    when the run starts, after each save, and when the run ends."""
+
+    def __init__(self, config, backend, sampler, total_steps: int, lineage: Lineage,
+                 fingerprint: str | None) -> None:
         self.output_dir = Path(config.output_dir)
         self.every, self.keep_last, self.keep_every = config.save_every, config.keep_last, config.keep_every
         self.backend, self.sampler, self.total_steps = backend, sampler, total_steps
-        self.config_yaml = yaml.safe_dump(config.to_dict(), sort_keys=False)
+        self.lineage, self.fingerprint = lineage, fingerprint
+        self.config_yaml = yaml.safe_dump(redact(config.to_dict()), sort_keys=False)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0 and step != self.total_steps
 
     def save(self, state: TrainState, model, optimizer, scheduler) -> Path:
-        return save_step_checkpoint(self.output_dir, state, self.sampler, self.backend, model, optimizer, scheduler,
-                                    self.config_yaml, self.keep_last, self.keep_every)
+        return save_step_checkpoint(self.output_dir, state, self, model, optimizer, scheduler)
+
+    def rotate(self) -> None:
+        """Main process only."""
+        rotate(self.output_dir, self.lineage.run_id, self.keep_last, self.keep_every, self.lineage.started_from,
+               self.lineage.verified)
+
+    def last_kept(self) -> Path | None:
+        """The newest complete checkpoint of this run (or the one it resumed from): what a failed end leaves."""
+        ours = [folder for _, folder in checkpoint_dirs(self.output_dir) if (folder / MARKER).is_file()
+                and (folder == self.lineage.started_from or saved_run_id(folder) == self.lineage.run_id)]
+        return ours[-1] if ours else None
 
 
 def load_model_weights(model, model_dir: Path) -> None:
@@ -318,20 +442,25 @@ def load_model_weights(model, model_dir: Path) -> None:
         raise UserError(f"checkpoint {model_dir}: weights do not fit this model (e.g. {(missing or unexpected)[0]})")
 
 
-def load_checkpoint(folder: Path, backend, model, optimizer, scheduler) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler, scaler and this rank's RNG from a verified checkpoint; return its state."""
-    problem = verify(folder)
+def load_checkpoint(folder: Path, backend, model, optimizer, scheduler,
+                    verified: dict[Path, str | None] | None = None) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler, scaler and this rank's RNG from a verified checkpoint; return its state.
+    `verified` holds what verify() already said about folders (see `checked`)."""
+    problem = checked(folder, {} if verified is None else verified)
     if problem is not None:
         raise UserError(f"checkpoint {folder}: {problem}; pick another step_N folder")
     if backend.engine_saves_state:
-        if not (folder / "deepspeed").is_dir():
-            raise UserError(f"checkpoint {folder}: written without DeepSpeed, so it has no engine state to resume "
-                            f"a DeepSpeed run from; resume it with the launcher it was written with")
-        check_deepspeed_files(folder / "deepspeed")
-        backend.load_engine_state(model, folder / "deepspeed")
+        engine_dir = folder / backend.engine_state_dir
+        if not engine_dir.is_dir():
+            raise UserError(f"checkpoint {folder}: written without {backend.engine_name}, so it has no engine state "
+                            f"to resume a {backend.engine_name} run from; resume it with the launcher it was written "
+                            f"with")
+        check_engine_files(engine_dir, backend.engine_pickled_types())
+        backend.load_engine_state(model, optimizer, engine_dir)
     else:
         if not (folder / "optimizer.pt").is_file():
-            raise UserError(f"checkpoint {folder}: written under DeepSpeed; resume it with the same DeepSpeed launch")
+            raise UserError(f"checkpoint {folder}: written under DeepSpeed or FSDP2 (its state is in deepspeed/ or "
+                            f"fsdp/); resume it with the same launch")
         load_model_weights(backend.unwrap(model), folder / "model")
         optimizer.load_state_dict(load_tensors(folder / "optimizer.pt", map_location="cpu"))
     scheduler.load_state_dict(load_tensors(folder / "scheduler.pt"))
@@ -346,37 +475,67 @@ def load_checkpoint(folder: Path, backend, model, optimizer, scheduler) -> dict[
 # ---------------------------------------------------------------- resuming
 
 def find_resume_checkpoint(checkpoint: str | None, resume: str | None, output_dir: str | Path,
-                           log: Callable[[str], Any] = print) -> Path | None:
+                           log: Callable[[str], Any] = print,
+                           verified: dict[Path, str | None] | None = None) -> Path | None:
     """`checkpoint=PATH` names the folder; `resume=auto` (or `checkpoint=auto`) takes the newest valid one in
-    output_dir and starts fresh when there is none."""
+    output_dir of the run last started there (see the module's docstring) and starts fresh when there is none."""
     if checkpoint and checkpoint != "auto":
         path = Path(checkpoint)
         if not path.is_dir():
             raise UserError(f"checkpoint: {path} is not a folder; give a step_N folder, or use resume=auto")
         return path
     if checkpoint == "auto" or resume == "auto":
-        found = latest_checkpoint(output_dir, log)
+        run_id = read_run_id(output_dir)
+        found = latest_checkpoint(output_dir, log, run_id, verified)
         if found is None:
-            log(f"resume=auto: no complete checkpoint in {output_dir}; starting fresh")
+            of_run = f" of its run {run_id}" if run_id else ""
+            log(f"resume=auto: no complete checkpoint{of_run} in {output_dir}; starting fresh")
         return found
     existing = checkpoint_dirs(output_dir)
     if existing:
         log(f"note: {output_dir} already holds checkpoints (newest {existing[-1][1].name}) but this run starts "
-            f"fresh; pass resume=auto to continue it instead")
+            f"fresh; pass resume=auto to continue it instead. They stay: this run never rotates them away, and sets "
+            f"aside one whose name it needs")
     return None
 
 
-def resume_training(config, backend, model, optimizer, scheduler, sampler,
-                    log: Callable[[str], Any] = print) -> TrainState:
-    """The state to start the loop from: restored from a checkpoint when the config asks for one, else step 0."""
-    folder = find_resume_checkpoint(config.checkpoint, getattr(config, "resume", None), config.output_dir, log)
-    if folder is None:
-        return TrainState()
-    state = load_checkpoint(folder, backend, model, optimizer, scheduler)
-    check_resumable(state, sampler, folder)
-    if (folder / "data_state.pt").is_file():
-        sampler.load_data_state(load_tensors(folder / "data_state.pt"))
-    epoch, position = divmod(state["step"], sampler.steps_per_epoch)
-    log(f"resumed from {folder} at step {state['step']} (epoch {epoch + 1}, step {position} of "
-        f"{sampler.steps_per_epoch} in it; {state['trained_tokens']:,} tokens trained so far)")
-    return TrainState(state["step"], state["trained_tokens"])
+def resume_training(config, backend, model, optimizer, scheduler, sampler, fingerprint: str | None = None,
+                    log: Callable[[str], Any] = print) -> tuple[TrainState, Lineage]:
+    """The state to start the loop from, restored from a checkpoint when the config asks for one (else step 0), and
+    the run's lineage. A checkpoint whose config trained something else than this one (or its data had another
+    `fingerprint`) is refused, unless resume_allow_changes lists the changed keys. The main process then records the
+    run in output_dir, and sets aside this run's checkpoints past the step it resumes from."""
+    output_dir = Path(config.output_dir)
+    verified: dict[Path, str | None] = {}
+    folder = find_resume_checkpoint(config.checkpoint, getattr(config, "resume", None), output_dir, log, verified)
+    state, lineage = TrainState(), Lineage(new_run_id(), verified=verified)
+    if folder is not None:
+        problem = checked(folder, verified)
+        if problem is not None:
+            raise UserError(f"checkpoint {folder}: {problem}; pick another step_N folder")
+        saved = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        changed = check_config_changes(folder, yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")),
+                                       config, saved, fingerprint, sampler.steps_per_epoch, log)
+        fresh = hyperparameters(scheduler)
+        saved = load_checkpoint(folder, backend, model, optimizer, scheduler, verified)
+        check_resumable(saved, sampler, folder)
+        if changed:
+            restore_hyperparameters(scheduler, *fresh)
+        if (folder / "data_state.pt").is_file():
+            if not getattr(sampler.store, "streaming", False):
+                raise UserError(f"checkpoint {folder}: holds data_state.pt, a streamed run's position, but this run "
+                                f"does not stream its data; resume it with the config it was written with (its "
+                                f"config.yaml), or remove the stray file")
+            sampler.load_data_state(load_tensors(folder / "data_state.pt"))
+        state = TrainState(saved["step"], saved["trained_tokens"])
+        lineage = Lineage(saved.get("run_id") or new_run_id(), folder, verified)
+        epoch, position = divmod(state.step, sampler.steps_per_epoch)
+        log(f"resumed from {folder} at step {state.step} (epoch {epoch + 1}, step {position} of "
+            f"{sampler.steps_per_epoch} in it; {state.trained_tokens:,} tokens trained so far)")
+    backend.wait_for_everyone()  # every rank has read output_dir before the main process changes it
+    if backend.is_main_process:
+        for step, later in checkpoint_dirs(output_dir):
+            if step > state.step and saved_run_id(later) == lineage.run_id:
+                set_aside(later, log, f"{later.name} is this run's, past step {state.step} where it resumes")
+        write_run_id(output_dir, lineage.run_id)
+    return state, lineage

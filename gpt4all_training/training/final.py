@@ -2,20 +2,51 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from safetensors import SafetensorError
+
 from gpt4all_training.backends.replicas import replica_mismatches
+from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.tracking.hub import push_folder
 from gpt4all_training.tracking.report import write_report
+from gpt4all_training.training.checkpoint import FINAL_DIR, Checkpointer, fsync_dir, fsync_tree, write_marker
 
 
 def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool) -> None:
-    """final/: the model (or adapter), tokenizer and generation config in safetensors; optionally final/merged/."""
+    """final/: the model (or adapter), tokenizer and generation config in safetensors; optionally final/merged/.
+    Written as a checkpoint is: into final.tmp/, with a COMPLETE marker listing every file's SHA-256, fsynced, then
+    renamed, so a crash or a full disk never leaves a final/ that looks whole (a failed write removes final.tmp/ and
+    raises; an earlier final/ stays until the new one is complete)."""
     state_dict = backend.saveable_state_dict(model)
     unwrapped = backend.unwrap(model)
     if not backend.is_main_process:
         return
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_final(unwrapped, backend, state_dict, tokenizer, tmp, merge_lora)
+        write_marker(tmp)
+        fsync_tree(tmp)
+        if folder.exists():
+            previous = folder.with_name(folder.name + ".previous")
+            shutil.rmtree(previous, ignore_errors=True)
+            os.replace(folder, previous)
+            os.replace(tmp, folder)
+            shutil.rmtree(previous)
+        else:
+            os.replace(tmp, folder)
+        fsync_dir(folder.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_lora: bool) -> None:
     is_peft = hasattr(unwrapped, "get_base_model")
     base = unwrapped.get_base_model() if is_peft else unwrapped
     generation = base.generation_config
@@ -33,22 +64,40 @@ def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool) -> Non
         generation.save_pretrained(folder / "merged")
 
 
-def finish_run(config, backend, model, tokenizer, tracker, step: int,
-               summarize: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def finish_run(config, backend, model, tokenizer, tracker, step: int, summarize: Callable[[], dict[str, Any]],
+               checkpointer: Checkpointer) -> dict[str, Any]:
     """Everything after the last step of a run that reached it; returns the run's summary (`summarize()`, taken once
-    final/ is written, so its peak memory includes the save). Every rank calls it."""
+    final/ is written, so its peak memory includes the save). Every rank calls it. Checkpoints are rotated once
+    final/ is complete, and never when it could not be written."""
     output_dir = Path(config.output_dir)
     mismatched = replica_mismatches(backend, model)  # DDP, ZeRO-1/2: every rank's copy must equal rank 0's
     if mismatched is not None:
         tracker.log({"replica_mismatches": mismatched}, step)
         if mismatched:
             backend.print(f"warning: {mismatched} parameter tensors differ between ranks; final/ holds rank 0's copy")
-    save_final(backend, model, tokenizer, output_dir / "final", config.merge_lora)
+    final = output_dir / FINAL_DIR
+    try:
+        save_final(backend, model, tokenizer, final, config.merge_lora)
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
+        reason, advice = write_failure(exc)
+        last = checkpointer.last_kept()
+        kept = (f"the checkpoint {last} is kept: resume=auto trains on from it and writes final/" if last else
+                "no checkpoint of this run exists, so its trained weights are lost; set save_every to keep "
+                "checkpoints")
+        raise TrainingError(f"step {step}: could not write the final model {final} ({reason}); nothing was left "
+                            f"in {final}; {kept}. {advice.capitalize()}, then run again") from None
     summary = summarize()
     if backend.is_main_process:
+        checkpointer.rotate()
         tracker.close()
-        report = write_report(output_dir, summary)
-        backend.print(f"final model: {output_dir / 'final'}; loss curves: {report}")
+        try:
+            report = write_report(output_dir, summary)
+        except OSError as exc:  # the model is safe in final/; a missing report is worth a warning, not a failure
+            reason, advice = write_failure(exc)
+            backend.print(f"warning: could not write the report in {output_dir} ({reason}); {advice}; the model "
+                          f"is complete in {final}", file=sys.stderr)
+            report = None
+        backend.print(f"final model: {final}; loss curves: {report or 'none'}")
     backend.wait_for_everyone()
     if config.push_to_hub and backend.is_main_process:
         push_folder(output_dir / "final", config.save_name, log=backend.print)  # a failure warns; the run succeeds

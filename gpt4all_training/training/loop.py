@@ -19,7 +19,7 @@ from gpt4all_training.backends.accelerate import build_backend
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.isolation import check_isolation
-from gpt4all_training.model.loading import tokenizer_for
+from gpt4all_training.model.loading import check_positions, tokenizer_for
 from gpt4all_training.model.lora import apply_lora
 from gpt4all_training.model.parameters import count_parameters, param_groups, resident_parameters
 from gpt4all_training.tracking.tracker import Tracker
@@ -55,19 +55,22 @@ def train(config: TrainConfig, backend=None) -> dict[str, Any]:
     total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
     model, optimizer, scheduler = prepare(model, config, backend, total_steps)
     log(objective.steps_line(sampler, total_steps, config.num_epochs))
-    state = resume_training(config, backend, model, optimizer, scheduler, sampler, log)
+    state, lineage = resume_training(config, backend, model, optimizer, scheduler, sampler, data.fingerprint, log)
 
     tracker = Tracker(config.output_dir, config.report_to, config.to_dict(), backend.is_main_process,
                       resume_step=state.step, project=config.wandb_project_name, entity=config.wandb_entity)
     meter = ThroughputMeter(config.log_every, total_steps, sampler.steps_per_epoch, config.nan_policy == "skip")
     evaluator = Evaluator(config, backend, data.val, tokenizer.pad_token_id, total_steps, log)
-    checkpointer = Checkpointer(config, backend, sampler, total_steps)
+    checkpointer = Checkpointer(config, backend, sampler, total_steps, lineage, data.fingerprint)
+    if backend.is_main_process:  # a kill between an earlier save and its rotation left one checkpoint too many
+        checkpointer.rotate()
     grads_every = grad_norms_interval(config, backend)
     with contextlib.closing(tracker):  # closed however the run ends; finish_run closes it first on success
         with progress_bar(total_steps, state.step, backend.is_main_process) as progress, GracefulStop() as stop, \
                 gc_frozen():
             model.train()
             while state.step < total_steps:
+                stop.last_step = state.step + 1 == total_steps
                 batches = [objective.fetch(data.train, indices, tokenizer.pad_token_id)
                            for indices in sampler.step_indices(state.step)]
                 result = train_step(model, batches, backend, optimizer, scheduler, config.max_grad_norm, state.step,
@@ -98,12 +101,16 @@ def train(config: TrainConfig, backend=None) -> dict[str, Any]:
             backend.end()
             return {"steps": state.step, "trained_tokens": state.trained_tokens, "exit_code": stop.exit_code}
 
+        if stop.received is not None:
+            log(f"{stop.signal_name} came during the last step, so the run finished instead of stopping: final/ is "
+                f"written and the exit code is 0")
+
         def summarize() -> dict[str, Any]:
             return {"steps": state.step, "trained_tokens": state.trained_tokens, **evaluator.last, **meter.totals(),
                     **peak_memory(backend.device), "train_examples": len(data.train),
                     "val_examples": len(data.val), **meter.skipped_total()}
 
-        summary = finish_run(config, backend, model, tokenizer, tracker, state.step, summarize)
+        summary = finish_run(config, backend, model, tokenizer, tracker, state.step, summarize, checkpointer)
     backend.end()
     return summary
 
@@ -111,13 +118,15 @@ def train(config: TrainConfig, backend=None) -> dict[str, Any]:
 def build_model(objective, config: TrainConfig, tokenizer, backend):
     """The objective's model, with a LoRA adapter when asked; its parameter counts logged."""
     model = objective.build_model(config, tokenizer)
+    check_positions(model, config.max_length)
     if config.lora:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            config.gradient_checkpointing)
     trainable, total = count_parameters(model)
+    resident = resident_parameters(model)  # FSDP2 shards later, in prepare(), and says so there
     backend.print(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)"
-                  + (f"; ZeRO-3 partitioned them as they were built: this rank holds {resident_parameters(model):,}"
-                     if backend.partitions_parameters else ""))
+                  + (f"; ZeRO-3 partitioned them as they were built: this rank holds {resident:,}"
+                     if resident < total else ""))
     return model
 
 
@@ -154,6 +163,8 @@ def log_grad_norms(tracker: Tracker, norms: dict[str, torch.Tensor], step: int) 
 def require_writable(output_dir: Path) -> None:
     """Create output_dir and prove a file can be written in it: a read-only one would otherwise fail only at the first
     log line or checkpoint, after the data and model are loaded."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"output_dir {output_dir}: is a file, not a folder; choose another output_dir")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir):

@@ -5,7 +5,8 @@ is fetched, its loss and per-window metrics, what `plan` counts and what `check`
 one place that reads `config.objective`; train(), plan and check each call it once. Adding an objective means adding
 a class here (and its choice to the config), never touching the loop.
 
-- "sft": prompt/response records, the loss on the response (data/sft.py).
+- "sft": prompt/response records, the loss on the response (data/sft.py); or conversations (records with
+  `messages`, detected from the data), the loss on the assistant turns (data/chat.py).
 - "causal_lm": raw text joined with EOS and cut into rows of max_length, every token trained (data/text.py).
 """
 
@@ -18,7 +19,10 @@ import numpy as np
 import torch
 
 from gpt4all_training.data.batching import batch_fetcher, fetch_rows
-from gpt4all_training.data.records import finetune_records, iter_records, record_text
+from gpt4all_training.data.cache import cached_splits
+from gpt4all_training.data.conversations import conversation_problem
+from gpt4all_training.data.records import (finetune_records, iter_records, load_records, record_text,
+                                           records_fingerprint)
 from gpt4all_training.data.sampling import StepSampler, row_sampler
 from gpt4all_training.data.sft import load_data
 from gpt4all_training.data.text import load_pretrain_data
@@ -39,6 +43,9 @@ class Data:
     val: Any  # a tokenized dataset of input_ids and labels (evaluate_loss reads it)
     train_stats: Any  # each has describe(name), the line the loop prints
     val_stats: Any
+    # SHA-256 of the records (or, for raw text, of their tokens) that a resume compares; None for a stream, which is
+    # not read in full before training.
+    fingerprint: str | None = None
 
 
 @dataclass
@@ -109,8 +116,11 @@ class FineTuning:
         self.loss = token_loss_sum
 
     def load_data(self, config, tokenizer, log, world_size: int) -> Data:
-        (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
-        return Data(train, val, train_stats, val_stats)
+        records = load_records(config.dataset_path, config.revision)
+        fingerprint = records_fingerprint(records)
+        (train, val), (train_stats, val_stats) = cached_splits(config, tokenizer, fingerprint,
+                                                               lambda: load_data(config, tokenizer, records), log)
+        return Data(train, val, train_stats, val_stats, fingerprint)
 
     def build_model(self, config, tokenizer):
         return pretrained_model(config)
@@ -137,16 +147,28 @@ class FineTuning:
                         run=count_run_tokens(run_layout(sampler, total_steps), lengths, n_trained, config.max_length))
 
     def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
-        """Every record has a prompt and a response; the first `sample_size` with a response are the sample."""
-        sample, count = [], 0
+        """Every record has a prompt and a response, or a list of messages; the first `sample_size` that training
+        keeps (a response, or a well-formed conversation) are the sample."""
+        sample, count, shapes = [], 0, set()
         for where, record in finetune_records(config.dataset_path):
-            problem = record_problem(record, FINETUNE_FIELDS)
-            if problem:
-                raise UserError(f"{where}: {problem}")
+            if "messages" in record:
+                if not isinstance(record["messages"], list):
+                    raise UserError(f"{where}: field 'messages' is {type(record['messages']).__name__}, not a list "
+                                    f"of messages")
+                shapes.add("messages")
+                usable = conversation_problem(record["messages"]) is None
+                kept = {"messages": record["messages"], "source": "check"}
+            else:
+                problem = record_problem(record, FINETUNE_FIELDS)
+                if problem:
+                    raise UserError(f"{where}: {problem}")
+                shapes.add(", ".join(FINETUNE_FIELDS))
+                usable = bool(record["response"])
+                kept = {"prompt": record["prompt"], "response": record["response"], "source": "check"}
             count += 1
-            if len(sample) < sample_size and record["response"]:
-                sample.append({"prompt": record["prompt"], "response": record["response"], "source": "check"})
-        return RecordScan(count, sample, sample_size, ", ".join(FINETUNE_FIELDS))
+            if len(sample) < sample_size and usable:
+                sample.append(kept)
+        return RecordScan(count, sample, sample_size, " or ".join(sorted(shapes)))
 
     def dry_run_size(self, summary: dict[str, Any], sample: list[dict[str, Any]]) -> str:
         return f"{len(sample)} examples"
@@ -166,7 +188,7 @@ class CausalLM:
 
     def load_data(self, config, tokenizer, log, world_size: int) -> Data:
         (train, val), (train_stats, val_stats) = load_pretrain_data(config, tokenizer, log, world_size=world_size)
-        return Data(train, val, train_stats, val_stats)
+        return Data(train, val, train_stats, val_stats, None if train.streaming else train.fingerprint())
 
     def build_model(self, config, tokenizer):
         if config.init == "from_config":

@@ -20,14 +20,15 @@ from gpt4all_training.training.loss import token_loss_sum
 PARAM_GROUP_NAMES = ("decay", "no_decay")
 
 
-def group_grad_norms(optimizer) -> dict[str, torch.Tensor]:
-    """Per parameter group, the gradient norm of each of its parameters (float32, on the CPU)."""
+def group_grad_norms(optimizer, backend) -> dict[str, torch.Tensor]:
+    """Per parameter group, the gradient norm of each of its parameters (float32, on the CPU). A collective where
+    the backend shards gradients."""
     norms = {}
     for i, group in enumerate(optimizer.param_groups):
         name = PARAM_GROUP_NAMES[i] if i < len(PARAM_GROUP_NAMES) else f"group{i}"
-        grads = [p.grad.detach().float().norm() for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in group["params"] if p.grad is not None]
         if grads:
-            norms[name] = torch.stack(grads).cpu()
+            norms[name] = backend.parameter_norms(grads)
     return norms
 
 
@@ -60,7 +61,7 @@ def train_step(model, batches: list[dict[str, torch.Tensor]], backend, optimizer
         raise TrainingError(f"step {step + 1}: the loss is {loss}; lower lr, check the data, or use float32")
     result: dict[str, Any] = {}
     if grad_norms and not skipped:
-        result["group_grad_norms"] = group_grad_norms(optimizer)
+        result["group_grad_norms"] = group_grad_norms(optimizer, backend)
     grad_norm = float("nan") if skipped else backend.clip_grad_norm(model, max_grad_norm)
     lr = scheduler.get_last_lr()[0]
     if not skipped:

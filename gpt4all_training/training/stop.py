@@ -13,14 +13,16 @@ class GracefulStop:
 
     A second signal stops at once (KeyboardInterrupt). The run then exits with 128 + the signal's number (143 for
     SIGTERM, 130 for SIGINT), as a shell reports a process stopped by that signal, so a wrapper script does not
-    mistake it for a finished run; the checkpoint makes `resume=auto` continue exactly. Used as a context manager,
-    the previous handlers come back however the block ends.
+    mistake it for a finished run; the checkpoint makes `resume=auto` continue exactly. A signal during the run's
+    last step lets the run finish instead (final/, exit 0), and says so. Used as a context manager, the previous
+    handlers come back however the block ends.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.last_step = False  # set by the loop: a signal during the run's last step lets the run finish instead
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
@@ -36,9 +38,10 @@ class GracefulStop:
             self.close()
             raise KeyboardInterrupt
         self.received = signum
+        plan = ("this is the last step: finishing the run and writing final/" if self.last_step
+                else "finishing this step and writing a checkpoint")
         # os.write, not print: a signal handler may run in the middle of another print.
-        os.write(2, f"\n{signal.Signals(signum).name} received: finishing this step and writing a checkpoint "
-                    f"(send it again to stop at once)\n".encode())
+        os.write(2, f"\n{signal.Signals(signum).name} received: {plan} (send it again to stop at once)\n".encode())
 
     def requested(self, backend) -> bool:
         """Whether any rank got a signal; every rank must call it at the same step, since it is a collective."""

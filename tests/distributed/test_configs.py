@@ -1,5 +1,5 @@
-"""The shipped DeepSpeed and accelerate configs, and filling a DeepSpeed config from the training config (no
-launches: these are the pure parts)."""
+"""The shipped DeepSpeed and accelerate configs, filling a DeepSpeed config from the training config, and reading
+the FSDP settings of a launch (no launches: these are the pure parts)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import yaml
 
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.backends.deepspeed import fill_deepspeed_config
+from gpt4all_training.backends.fsdp import FsdpSettings, fsdp_settings
 from gpt4all_training.errors import UserError
 
 from .runs import ACCELERATE_CONFIGS, DEEPSPEED_CONFIGS
@@ -97,8 +98,8 @@ def test_shipped_deepspeed_configs_are_all_tested():
 
 def test_accelerate_configs_describe_the_documented_launches():
     configs = {p.name: yaml.safe_load(p.read_text()) for p in ACCELERATE_CONFIGS.glob("*.yaml")}
-    assert sorted(configs) == ["deepspeed_2node.yaml", "deepspeed_8gpu.yaml", "multi_gpu_8.yaml", "single_gpu.yaml",
-                               "tpu_v3_8.yaml"]
+    assert sorted(configs) == ["deepspeed_2node.yaml", "deepspeed_8gpu.yaml", "fsdp2_2node.yaml", "fsdp2_2proc.yaml",
+                               "fsdp2_8gpu.yaml", "multi_gpu_8.yaml", "single_gpu.yaml", "tpu_v3_8.yaml"]
     assert (configs["single_gpu.yaml"]["distributed_type"], configs["single_gpu.yaml"]["num_processes"]) == ("NO", 1)
     assert (configs["multi_gpu_8.yaml"]["distributed_type"], configs["multi_gpu_8.yaml"]["num_processes"]) == \
         ("MULTI_GPU", 8)
@@ -112,3 +113,35 @@ def test_accelerate_configs_describe_the_documented_launches():
         assert (DEEPSPEED_CONFIGS.parent.parent / config["deepspeed_config"]["deepspeed_config_file"]).is_file()
     tpu = configs["tpu_v3_8.yaml"]
     assert (tpu["distributed_type"], tpu["num_processes"], tpu["main_training_function"]) == ("XLA", 8, "main")
+    fsdp = {name: configs[f"fsdp2_{name}.yaml"] for name in ("2proc", "8gpu", "2node")}
+    assert {name: (c["distributed_type"], c["num_processes"], c["num_machines"]) for name, c in fsdp.items()} == \
+        {"2proc": ("FSDP", 2, 1), "8gpu": ("FSDP", 8, 1), "2node": ("FSDP", 16, 2)}
+    for config in fsdp.values():
+        assert config["fsdp_config"]["fsdp_version"] == 2
+        assert config["fsdp_config"]["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert {"machine_rank", "main_process_ip", "main_process_port"} <= fsdp["2node"].keys()
+
+
+FSDP_LAUNCH = {"FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+               "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_OFFLOAD_PARAMS": "true",
+               "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer, GPTJBlock"}
+
+
+def test_fsdp_settings_read_what_accelerate_launch_sets(monkeypatch):
+    for key, value in FSDP_LAUNCH.items():
+        monkeypatch.setenv(key, value)
+    assert fsdp_settings(training()) == FsdpSettings(layer_classes=("LlamaDecoderLayer", "GPTJBlock"),
+                                                     reshard_after_forward=False, offload_params=True,
+                                                     activation_checkpointing=True)
+
+
+@pytest.mark.parametrize(("key", "value", "dtype", "named"), [
+    ("FSDP_VERSION", "1", "float32", "fsdp_version: 1"),
+    ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "float32", "fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
+    ("FSDP_VERSION", "2", "float16", "dtype: float16")])
+def test_fsdp_settings_refuse_what_the_backend_cannot_honour(monkeypatch, key, value, dtype, named):
+    for name, setting in {**FSDP_LAUNCH, key: value}.items():
+        monkeypatch.setenv(name, setting)
+    with pytest.raises(UserError) as error:
+        fsdp_settings(training(dtype=dtype))
+    assert str(error.value).startswith(named) and "\n" not in str(error.value)

@@ -44,3 +44,10 @@ def nan_stopped(hard_config, tmp_path_factory) -> tuple[subprocess.CompletedProc
     """NaN injected at step 4 under the default nan_policy (stop), with a checkpoint every 2 steps."""
     output_dir = tmp_path_factory.mktemp("hard-nan-stop") / "run"
     return run_train(hard_config, output_dir, "save_every=2", fault="nan_loss:4"), output_dir
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run(hard_config, tmp_path_factory) -> Path:
+    """The 6 steps with checkpoints at steps 2 and 4 (copy it before resuming into it)."""
+    return completed_run(hard_config, tmp_path_factory.mktemp("hard-checkpointed") / "run", "save_every=2",
+                         timeout=300)

@@ -4,7 +4,12 @@
 - `nan_loss:K`        the training loss of step K is multiplied by NaN on every rank (the gradients become NaN too);
 - `data_vanishes:K`   every *_clean.jsonl under $FAULT_DATA is deleted, except one that is truncated mid-line;
 - `read_only:K`       output_dir ($FAULT_OUTPUT) loses its write permission (run it without CAP_DAC_OVERRIDE);
-- `stop_rank:K`       this process sends itself $FAULT_SIGNAL (KILL or STOP) when RANK == $FAULT_RANK.
+- `stop_rank:K`       this process sends itself $FAULT_SIGNAL (KILL or STOP) when RANK == $FAULT_RANK;
+- `metrics_full:K`    no file may grow past metrics.jsonl's size now (RLIMIT_FSIZE), so its next row fails as on a
+                      full disk;
+- `metrics_read_only:K` metrics.jsonl and output_dir ($FAULT_OUTPUT) lose their write permission, as after a
+                      read-only remount (run it without CAP_DAC_OVERRIDE);
+- `final_full:0`      just before final/ is written, no file may grow past 300 kB (the model's weights are 0.9 MB).
 The production modules are wrapped by name, as tests/resume/crash_runner.py does; nothing in them knows about it.
 """
 
@@ -12,10 +17,12 @@ from __future__ import annotations
 
 import inspect
 import os
+import resource
 import signal
 import sys
 from pathlib import Path
 
+import gpt4all_training.training.final as final
 import gpt4all_training.training.loop as train
 import gpt4all_training.training.objectives as objectives
 from gpt4all_training.cli.main import main
@@ -44,6 +51,12 @@ def wrap_train_step(original):
                 break_the_data(Path(os.environ["FAULT_DATA"]))
             if KIND == "read_only":
                 Path(os.environ["FAULT_OUTPUT"]).chmod(0o555)
+            if KIND == "metrics_full":
+                size = (Path(os.environ["FAULT_OUTPUT"]) / "metrics.jsonl").stat().st_size
+                resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+            if KIND == "metrics_read_only":
+                (Path(os.environ["FAULT_OUTPUT"]) / "metrics.jsonl").chmod(0o444)
+                Path(os.environ["FAULT_OUTPUT"]).chmod(0o555)
             if KIND == "stop_rank" and os.environ.get("RANK", "0") == os.environ["FAULT_RANK"]:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -59,7 +72,16 @@ def wrap_loss(original):
     return token_loss_sum
 
 
+def wrap_save_final(original):
+    def save_final(*args, **kwargs):
+        if KIND == "final_full":
+            resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+        return original(*args, **kwargs)
+    return save_final
+
+
 train.train_step = wrap_train_step(train.train_step)
+final.save_final = wrap_save_final(final.save_final)
 objectives.token_loss_sum = wrap_loss(objectives.token_loss_sum)  # the fine-tuning objective's loss
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 from support.files import write_jsonl
 from support.launch import TRAIN_SCRIPT
 from support.launch import run_train as run_script
+
+from gpt4all_training.cli.main import main
 
 RUNNER = Path(__file__).with_name("fault_runner.py")
 STEPS = 6  # 40 examples // batch 4 = 10 steps per epoch; max_steps stops after 6
@@ -29,6 +32,16 @@ def error_lines(stderr: str) -> list[str]:
     (a library's own log line that merely contains "error: " is not one)."""
     return [match.group(1) for line in stderr.replace("\r", "\n").splitlines()
             if (match := re.match(r"(?:.*\])?(error: .*)$", line))]
+
+
+def one_error_line(capsys, argv: list[str], code: int = 2) -> str:
+    """Run our CLI in this process with `argv`; it must exit with `code` having printed exactly one error line,
+    which is returned."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == code
+    [line] = error_lines(capsys.readouterr().err)
+    return line
 
 
 def write_data(folder: Path, rows: list[dict]) -> Path:

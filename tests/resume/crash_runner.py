@@ -5,6 +5,7 @@
 - `after_save:K`   SIGKILL right after the checkpoint of step K is complete (and rotation ran);
 - `during_eval:K`  SIGKILL inside the validation pass of step K, before its second batch;
 - `during_save:K`  SIGKILL while step_K.tmp/ is being written: every file is there but the COMPLETE marker;
+- `before_rotate:K`  SIGKILL once step_K/ is complete, before the older checkpoints are rotated away;
 - `SIGTERM:K` / `SIGINT:K`  send that signal to this process right after step K's training row is logged.
 Works as the script of `python` and of `torchrun`.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 import gpt4all_training.training.checkpoint as checkpoint
 import gpt4all_training.training.evaluate as evaluate
@@ -70,7 +72,16 @@ def wrap_write_marker(original):
     return write_marker
 
 
+def wrap_rotate(original):
+    def rotate(output_dir, *args, **kwargs):
+        if POINT == "before_rotate" and (Path(output_dir) / f"step_{STEP}").is_dir():
+            kill()
+        return original(output_dir, *args, **kwargs)
+    return rotate
+
+
 tracking.Tracker.log = wrap_tracker_log(tracking.Tracker.log)
+checkpoint.rotate = wrap_rotate(checkpoint.rotate)
 checkpoint.save_step_checkpoint = wrap_save(checkpoint.save_step_checkpoint)
 evaluate.token_loss_sum = wrap_eval_loss(evaluate.token_loss_sum)
 checkpoint.write_marker = wrap_write_marker(checkpoint.write_marker)

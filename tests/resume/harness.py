@@ -9,7 +9,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from support.launch import TRAIN_SCRIPT, accelerate_deepspeed, limit_file_size, torchrun
+from support.launch import TRAIN_SCRIPT, accelerate_deepspeed, accelerate_fsdp2, limit_file_size, torchrun
 from support.launch import run_train as run_script
 from support.paths import REPO
 
@@ -19,14 +19,16 @@ TOTAL_STEPS = 30  # 43 training examples // batch 4 = 10 steps per epoch, x 3 ep
 
 
 def run_train(config: Path, output_dir: Path, *overrides: str, crash: str | None = None, env: dict | None = None,
-              max_file_bytes: int | None = None, processes: int = 1, deepspeed: bool = False,
+              max_file_bytes: int | None = None, processes: int = 1, deepspeed: bool = False, fsdp: bool = False,
               timeout: int = 900) -> subprocess.CompletedProcess:
     """`train.py --config CONFIG output_dir=... OVERRIDES` in a fresh process (through crash_runner.py when
-    `crash` names a stop point; under torchrun when `processes` > 1, or accelerate launch with DeepSpeed ZeRO-2;
-    with no file larger than `max_file_bytes`)."""
+    `crash` names a stop point; under torchrun when `processes` > 1, or accelerate launch with DeepSpeed ZeRO-2 or
+    FSDP2; with no file larger than `max_file_bytes`)."""
     launcher = torchrun(processes) if processes > 1 else None
     if deepspeed:
         launcher = accelerate_deepspeed(processes, ZERO2)
+    if fsdp:
+        launcher = accelerate_fsdp2(processes)
     env = {**(env or {}), "CRASH_AT": crash} if crash else env
     return run_script(config, output_dir, *overrides, script=RUNNER if crash else TRAIN_SCRIPT, launcher=launcher,
                       prefix=limit_file_size(max_file_bytes) if max_file_bytes else (), env=env, timeout=timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 
@@ -22,10 +23,10 @@ from .harness import TOTAL_STEPS, HubServer, hub_env, run_train
 SMALL_DISK = 1_000_000
 
 
-def fake_checkpoint(root, name: str, complete: bool = True):
+def fake_checkpoint(root, name: str, complete: bool = True, run_id: str = "run-a"):
     folder = root / name
     folder.mkdir(parents=True)
-    (folder / "state.json").write_text("{}")
+    (folder / "state.json").write_text(json.dumps({"run_id": run_id}))
     if complete:
         (folder / MARKER).write_text('{"files": {}}')
     return folder
@@ -36,9 +37,9 @@ def test_rotation_keeps_the_newest_complete_and_the_permanent_ones(tmp_path):
         fake_checkpoint(tmp_path, f"step_{step}")
     fake_checkpoint(tmp_path, "step_14", complete=False)  # not complete: does not count as one of the newest
     fake_checkpoint(tmp_path, "step_16.tmp", complete=False)  # an interrupted save's leftovers
-    rotate(tmp_path, keep_last=2, keep_every=4)
+    rotate(tmp_path, "run-a", keep_last=2, keep_every=4)
     assert step_dirs(tmp_path) == ["step_4", "step_8", "step_10", "step_12", "step_14"]
-    rotate(tmp_path, keep_last=1)
+    rotate(tmp_path, "run-a", keep_last=1)
     assert step_dirs(tmp_path) == ["step_12", "step_14"]
 
 
@@ -69,8 +70,6 @@ def test_newest_valid_checkpoint_skips_interrupted_and_corrupted_ones(reference,
 @pytest.mark.integration
 @pytest.mark.slow
 def test_resume_refuses_a_different_order_of_examples(reference):
-    import json
-
     state = json.loads((reference / "step_8" / "state.json").read_text())
     check_resumable(state, StepSampler(43, 4, seed=7), reference / "step_8")  # the same run: fine
     check_resumable(state, StepSampler(43, 2, world_size=2, seed=7), reference / "step_8")  # same global batch

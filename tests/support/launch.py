@@ -46,6 +46,12 @@ def accelerate_deepspeed(processes: int, deepspeed_config: Path) -> list[str]:
             f"--main_process_port={free_port()}", f"--deepspeed_config_file={deepspeed_config}"]
 
 
+def accelerate_fsdp2(processes: int) -> list[str]:
+    """The documented FSDP2 launch (configs/accelerate/fsdp2_2proc.yaml) with `processes` processes."""
+    return [ACCELERATE, "launch", "--config_file", str(REPO / "configs" / "accelerate" / "fsdp2_2proc.yaml"),
+            f"--num_processes={processes}", f"--main_process_port={free_port()}"]
+
+
 def limit_file_size(max_file_bytes: int) -> list[str]:
     """A prefix that runs the rest of the command with no file allowed to grow past `max_file_bytes`."""
     return [PYTHON, "-c", LIMIT_FILE_SIZE, str(max_file_bytes)]

@@ -1,15 +1,18 @@
 """A local, self-contained map of an inference run: where the model's embeddings put each example, and its loss.
 
 `python build_map.py --input INFERENCE_DIR --output map.html [--compare OTHER_INFERENCE_DIR]` writes
-- `map.html`: one file, every script and style inline, no network. Points are drawn on a canvas, so tens of
-  thousands stay responsive. Colour by loss, cluster, source or split (and loss change with `--compare`); hover for
-  the prompt and response; a search box highlights matches; the cluster table is sorted by mean loss, hardest
-  first, which is where broken or hard data shows up. A link can carry a view:
-  `map.html#colour=source&search=volcano&point=val:12` (the last opens that example's hover card).
-- `map.png` (next to the HTML): the same layout coloured by loss (or by loss change), from a small PNG encoder.
+- `map.html`: one file, every script and style inline, no network. Points are drawn on a canvas, so 100k stay
+  responsive. Colour by loss, cluster, source or split (and loss change with `--compare`); hover for the prompt and
+  response; a search box, a click on a cluster's row or a lasso (shift-drag) selects points, and "download ids"
+  saves the selection as JSON for `gpt4all-training curate --exclude-ids/--include-ids`. The cluster table is
+  sorted by mean loss, hardest first, which is where broken or hard data shows up. A link can carry a view:
+  `map.html#color=source&search=volcano&point=val:12` (the last opens that example's hover card).
+- `map.png` (next to the HTML): the same layout coloured by loss (or by loss change), with a colour bar and the
+  cluster numbers.
 - `clusters.csv`: one row per cluster with its label, size and loss statistics.
 
 Modules, in the order `build.build_map` uses them: runs (reading inference.parquet, the loss change), layout
-(PCA and the neighbour layout), clusters (k-means, labels, the cluster table), render (colours, PNG, the page).
-The page is package data: page.html, page.css and page.js, inlined into the one written file.
+(PCA with scikit-learn, UMAP with umap-learn), clusters (scikit-learn's k-means, class-based TF-IDF labels, the
+cluster table), render (matplotlib's colour scales, the PNG, the page). The page is package data: page.html,
+page.css and page.js, inlined into the one written file.
 """

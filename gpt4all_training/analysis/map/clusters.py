@@ -1,15 +1,15 @@
-"""Clusters of the embedding features and their labels (pure NumPy).
+"""Clusters of the embedding features (scikit-learn's k-means) and their labels (class-based TF-IDF).
 
-Clusters are k-means (k-means++ start) on the PCA features the layout uses, numbered by mean loss, hardest first.
-A cluster's label is its most distinctive prompt words: those whose share of the cluster's prompts most exceeds
-their share of all prompts, weighted by how common they are in the cluster (each word's term of the KL divergence).
+Clusters are k-means on the PCA features the layout uses, numbered by mean loss, hardest first. A cluster's label is
+its most distinctive prompt words by class-based TF-IDF (BERTopic's c-TF-IDF): the prompts of a cluster are one
+class; a word weighs its share of the class's prompts times log(1 + average class size / the word's prompts
+overall), so words common everywhere ("number", "write") sink and words particular to the cluster rise.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -18,46 +18,11 @@ import numpy as np
 
 from gpt4all_training.analysis.map.runs import Run
 
-STOPWORDS = frozenset("""
-a about above after again against all also am an and any are as at be because been before being below between
-both but by can could did do does doing down during each few for from further had has have having he her here
-hers him his how i if in into is it its itself just me more most my no nor not now of off on once only or other
-our ours out over own same she should so some such than that the their theirs them then there these they this
-those through to too under until up very was we were what when where which while who whom why will with would
-you your yours yourself give list tell describe explain write based using use provided following given text
-please one two many much like get make know think want need way well may might must shall let
+# Words of instructions rather than topics, on top of scikit-learn's English stop words.
+INSTRUCTION_WORDS = frozenset("""
+give list tell describe explain write based using use provided following given text please like make know think
+want need way let does did
 """.split())
-WORD = re.compile(r"[a-z][a-z0-9]+(?:'[a-z]+)?")
-
-
-def kmeans(x: np.ndarray, k: int, seed: int = 0, iterations: int = 50) -> np.ndarray:
-    """Cluster labels from Lloyd's algorithm with a k-means++ start; an emptied cluster takes the farthest point."""
-    rng = np.random.default_rng(seed)
-    x = x.astype(np.float64)
-    squared = np.einsum("ij,ij->i", x, x)
-    centres = [x[rng.integers(len(x))]]
-    closest = np.full(len(x), np.inf)
-    for _ in range(1, k):
-        closest = np.minimum(closest, ((x - centres[-1]) ** 2).sum(axis=1))
-        total = closest.sum()
-        pick = rng.choice(len(x), p=closest / total) if total > 0 else rng.integers(len(x))
-        centres.append(x[pick])
-    centres = np.stack(centres)
-    labels = np.full(len(x), -1)
-    for _ in range(iterations):
-        dist = squared[:, None] - 2.0 * x @ centres.T + np.einsum("ij,ij->i", centres, centres)[None, :]
-        new_labels = dist.argmin(axis=1)
-        if np.array_equal(new_labels, labels):
-            break
-        labels = new_labels
-        for c in range(k):
-            members = labels == c
-            if members.any():
-                centres[c] = x[members].mean(axis=0)
-            else:
-                far = dist[np.arange(len(x)), labels].argmax()
-                centres[c], labels[far] = x[far], c
-    return labels
 
 
 def default_cluster_count(n: int) -> int:
@@ -75,42 +40,56 @@ def renumber_by_loss(labels: np.ndarray, loss: np.ndarray) -> np.ndarray:
     return rank[np.searchsorted(ids, labels)]
 
 
-def prompt_words(text: str) -> set[str]:
-    return {w for w in WORD.findall(text.lower()) if w not in STOPWORDS and len(w) > 2}
+def kmeans_labels(features: np.ndarray, k: int, seed: int) -> np.ndarray:
+    from sklearn.cluster import KMeans
 
-
-def cluster_labels(prompts: list[str], labels: np.ndarray, n_words: int = 3) -> list[str]:
-    """Each cluster's most distinctive prompt words: p(w|c) * log(p(w|c) / p(w)), over prompts containing w."""
-    vocabulary: dict[str, int] = {}
-    doc_ids, word_ids = [], []
-    for doc, text in enumerate(prompts):
-        for word in sorted(prompt_words(text or "")):  # sorted: ties break the same way in every process
-            doc_ids.append(doc)
-            word_ids.append(vocabulary.setdefault(word, len(vocabulary)))
-    n_clusters = int(labels.max()) + 1
-    if not vocabulary:
-        return [f"cluster {c}" for c in range(n_clusters)]
-    words = np.array(sorted(vocabulary, key=vocabulary.get), dtype=object)
-    doc_ids, word_ids = np.asarray(doc_ids), np.asarray(word_ids)
-    counts = np.zeros((n_clusters, len(words)))
-    np.add.at(counts, (labels[doc_ids], word_ids), 1.0)
-    sizes = np.bincount(labels, minlength=n_clusters).astype(np.float64)[:, None]
-    p_in = counts / np.maximum(sizes, 1)
-    p_all = counts.sum(axis=0) / len(prompts)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        score = np.where(counts >= min(2, len(prompts)), p_in * np.log(p_in / p_all), -np.inf)
-    out = []
-    for c in range(n_clusters):
-        best = [i for i in np.argsort(-score[c], kind="stable")[:n_words] if np.isfinite(score[c, i])]
-        out.append(", ".join(words[best]) if best else f"cluster {c}")
-    return out
+    if k <= 1:
+        return np.zeros(len(features), dtype=np.int64)
+    return KMeans(n_clusters=k, random_state=seed, n_init=1).fit_predict(features).astype(np.int64)
 
 
 def cluster_points(features: np.ndarray, loss: np.ndarray, n_clusters: Optional[int] = None,
                    seed: int = 0) -> np.ndarray:
     """Each row's cluster: k-means with `n_clusters` (default: about sqrt(n/4)), numbered by mean loss."""
     k = min(n_clusters or default_cluster_count(len(features)), len(features))
-    return renumber_by_loss(kmeans(features, k, seed), loss)
+    return renumber_by_loss(kmeans_labels(features, k, seed), loss)
+
+
+def cluster_labels(prompts: list[str], labels: np.ndarray, n_words: int = 3) -> list[str]:
+    """Each cluster's top `n_words` prompt words by class-based TF-IDF, or "cluster N" when it has none."""
+    from scipy import sparse
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS, CountVectorizer
+
+    n_clusters = int(labels.max()) + 1
+    # binary: a prompt that repeats a word counts once, so one long prompt cannot name its cluster
+    # max_df: a word in over half of all prompts ("number" in "number 1", "number 2", ...) tells no cluster apart
+    vectorizer = CountVectorizer(stop_words=sorted(ENGLISH_STOP_WORDS | INSTRUCTION_WORDS), binary=True, max_df=0.5,
+                                 token_pattern=r"(?u)\b[a-zA-Z][a-zA-Z0-9]{2,}\b")
+    try:
+        per_prompt = vectorizer.fit_transform([p or "" for p in prompts])
+    except ValueError:  # nothing but stop words, numbers and punctuation
+        return [f"cluster {c}" for c in range(n_clusters)]
+    membership = sparse.csr_matrix((np.ones(len(labels)), (labels, np.arange(len(labels)))),
+                                   shape=(n_clusters, len(labels)))
+    counts = np.asarray((membership @ per_prompt).todense(), dtype=np.float64)  # prompts of cluster c with word w
+    term_frequency = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+    average_class_words = counts.sum() / n_clusters
+    score = term_frequency * np.log1p(average_class_words / np.maximum(counts.sum(axis=0), 1.0))
+    # a word that only one prompt of a larger cluster has says nothing about the cluster
+    score[(counts < 2) & (np.bincount(labels, minlength=n_clusters)[:, None] > 1)] = 0.0
+    words = vectorizer.get_feature_names_out()
+    out = []
+    for c in range(n_clusters):
+        best = [i for i in np.argsort(-score[c], kind="stable")[:n_words] if score[c, i] > 0]
+        out.append(", ".join(words[best]) if best else f"cluster {c}")
+    return out
+
+
+def named_clusters(features: np.ndarray, run: Run, n_clusters: Optional[int] = None,
+                   seed: int = 0) -> tuple[np.ndarray, list[str]]:
+    """Each row's cluster and each cluster's label: what the map shows and `curate` reports by."""
+    labels = cluster_points(features, run.loss, n_clusters, seed)
+    return labels, cluster_labels(run.prompt.to_pylist(), labels)
 
 
 def cluster_table(run: Run, labels: np.ndarray, words: list[str], change: Optional[np.ndarray]) -> list[dict]:
@@ -137,4 +116,3 @@ def write_clusters_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-

@@ -2,60 +2,40 @@
 const D = JSON.parse(document.getElementById("map-data").textContent);
 const N = D.x.length;
 const canvas = document.getElementById("map"), ctx = canvas.getContext("2d");
+const overlay = document.getElementById("overlay"), overlayCtx = overlay.getContext("2d");
 const tip = document.getElementById("tip");
-const rgb = c => "rgb(" + c[0] + "," + c[1] + "," + c[2] + ")";
-const BINS = 64;
-let view = {scale: 1, ox: 0, oy: 0}, highlight = null, activeCluster = null, buckets = null;
+let view = {scale: 1, ox: 0, oy: 0}, selected = null, activeCluster = null, buckets = null;
 
-// Colour modes: each maps a point to a bucket (drawn in bucket order, so high values end on top) and a legend.
+// Colour modes: every point's colour code, the order codes are drawn in (the notable last, so on top), a legend.
+// The ramps' codes, colours, order and ticks come from Python (render.py), the same ones the PNG uses.
 const clusterNames = [];
 for (const c of D.clusters) clusterNames[c.cluster] = c.cluster + ": " + c.label;
+const ramp = s => ({codes: s.code, colors: s.colors, order: s.order, legend: {kind: "ramp", ...s}});
+function categorical(codes, names, title) {
+  const colors = names.map((_, i) => D.categories[i % D.categories.length]);
+  return {codes, colors, order: names.map((_, i) => i), legend: {kind: "list", title, names, colors}};
+}
 const modes = {
-  loss: () => ramp(D.loss, D.loss_range, D.loss_stops, "loss"),
+  loss: () => ramp(D.scales.loss),
   cluster: () => categorical(D.cluster, clusterNames, "cluster"),
   source: () => categorical(D.source, D.sources, "source"),
   split: () => categorical(D.split, D.splits, "split"),
 };
-if (D.change) modes["loss change"] = () => ramp(D.change, D.change_range, D.change_stops, "loss change", true);
-
-function mix(stops, t) {
-  const x = Math.min(Math.max(t, 0), 1) * (stops.length - 1), i = Math.min(Math.floor(x), stops.length - 2);
-  const f = x - i;
-  return stops[i].map((v, j) => Math.round(v * (1 - f) + stops[i + 1][j] * f));
-}
-function ramp(values, range, stops, name, byMagnitude) {
-  const [lo, hi] = range, colours = [], bucketOf = new Int32Array(N), order = [];
-  for (let b = 0; b < BINS; b++) colours.push(rgb(mix(stops, b / (BINS - 1))));
-  colours.push(rgb(D.missing));
-  for (let i = 0; i < N; i++) {
-    const v = values[i];
-    bucketOf[i] = v === null ? BINS : Math.round(Math.min(Math.max((v - lo) / (hi - lo), 0), 1) * (BINS - 1));
-  }
-  // Missing first, then by value (by distance from the middle for changes): the notable points are drawn last.
-  const rank = b => b === BINS ? -1 : (byMagnitude ? Math.abs(b - (BINS - 1) / 2) : b);
-  for (let b = 0; b <= BINS; b++) order.push(b);
-  order.sort((a, c) => rank(a) - rank(c));
-  const stopsCss = stops.map((s, i) => rgb(s) + " " + (100 * i / (stops.length - 1)) + "%").join(",");
-  const css = "linear-gradient(to right," + stopsCss + ")";
-  return {bucketOf, colours, order, legend: {kind: "ramp", name, lo, hi, css}};
-}
-function categorical(codes, names, name) {
-  const bucketOf = Int32Array.from(codes), order = names.map((_, i) => i);
-  const colours = names.map((_, i) => rgb(D.categories[i % D.categories.length]));
-  return {bucketOf, colours, order, legend: {kind: "list", name, names, colours}};
-}
+if (D.scales["loss change"]) modes["loss change"] = () => ramp(D.scales["loss change"]);
 
 function group(mode) {
-  const m = modes[mode](), lists = m.colours.map(() => []);
-  for (let i = 0; i < N; i++) lists[m.bucketOf[i]].push(i);
+  const m = modes[mode](), lists = m.colors.map(() => []);
+  for (let i = 0; i < N; i++) lists[m.codes[i]].push(i);
   return Object.assign(m, {lists});
 }
 
 function resize() {
   const r = canvas.parentElement.getBoundingClientRect(), dpr = window.devicePixelRatio || 1;
-  canvas.width = Math.max(1, Math.round(r.width * dpr));
-  canvas.height = Math.max(1, Math.round(r.height * dpr));
-  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  for (const [c, context] of [[canvas, ctx], [overlay, overlayCtx]]) {
+    c.width = Math.max(1, Math.round(r.width * dpr));
+    c.height = Math.max(1, Math.round(r.height * dpr));
+    context.setTransform(dpr, 0, 0, dpr, 0, 0);
+  }
   draw();
 }
 function frame() {
@@ -65,35 +45,44 @@ function frame() {
 function toScreen(i, f) {
   return [(f.left + D.x[i] * f.side) * view.scale + view.ox, (f.top + (1 - D.y[i]) * f.side) * view.scale + view.oy];
 }
+// About a third of the spacing that evenly spread points would have (2 to 8 pixels), growing as you zoom in.
+function pointSize(f) {
+  const even = Math.min(Math.max(0.35 * f.side / Math.sqrt(Math.max(N, 1)), 2), 8);
+  return Math.min(even * Math.sqrt(view.scale), 16);
+}
 
 function draw() {
-  const f = frame();
-  ctx.fillStyle = rgb(D.background);
+  const f = frame(), size = pointSize(f), half = size / 2, round = size >= 4;
+  ctx.fillStyle = D.background;
   ctx.fillRect(0, 0, f.w, f.h);
   let drawn = 0;
-  const size = N < 2000 ? 4 : N < 20000 ? 3 : 2, half = size / 2;
   const pass = (alpha, wanted) => {
     ctx.globalAlpha = alpha;
     for (const b of buckets.order) {
-      ctx.fillStyle = buckets.colours[b];
-      for (const i of buckets.lists[b]) {
-        if (D.x[i] === null || (highlight !== null && highlight[i] !== wanted)) continue;
+      const list = buckets.lists[b];
+      if (!list.length) continue;
+      ctx.fillStyle = buckets.colors[b];
+      if (round) ctx.beginPath();
+      for (const i of list) {
+        if (D.x[i] === null || (selected !== null && selected[i] !== wanted)) continue;
         const [sx, sy] = toScreen(i, f);
-        if (sx < -3 || sy < -3 || sx > f.w + 3 || sy > f.h + 3) continue;
-        ctx.fillRect(sx - half, sy - half, size, size);
+        if (sx < -half || sy < -half || sx > f.w + half || sy > f.h + half) continue;
+        if (round) { ctx.moveTo(sx + half, sy); ctx.arc(sx, sy, half, 0, 2 * Math.PI); }
+        else ctx.fillRect(sx - half, sy - half, size, size);
         drawn++;
       }
+      if (round) ctx.fill();
     }
   };
-  if (highlight === null) pass(0.9, 0);
+  if (selected === null) pass(0.9, 0);
   else {
     pass(0.12, 0);
     ctx.globalAlpha = 1;
     ctx.strokeStyle = "#fff";
     for (let i = 0; i < N; i++) {
-      if (!highlight[i] || D.x[i] === null) continue;
+      if (!selected[i] || D.x[i] === null) continue;
       const [sx, sy] = toScreen(i, f);
-      ctx.strokeRect(sx - 3, sy - 3, 6, 6);
+      ctx.strokeRect(sx - half - 1.5, sy - half - 1.5, size + 3, size + 3);
     }
     pass(1, 1);
   }
@@ -106,16 +95,24 @@ function setMode(mode) {
   const legend = document.getElementById("legend"), lg = buckets.legend;
   legend.replaceChildren();
   if (lg.kind === "ramp") {
-    const bar = document.createElement("div"), ends = document.createElement("div");
-    bar.className = "bar"; bar.style.background = lg.css; ends.className = "ends";
-    for (const t of [lg.lo.toPrecision(3), lg.name, lg.hi.toPrecision(3)]) {
-      const s = document.createElement("span"); s.textContent = t; ends.appendChild(s);
+    const bar = document.createElement("div"), ticks = document.createElement("div");
+    const title = document.createElement("div");
+    bar.className = "bar";
+    bar.style.background = "linear-gradient(to right," + lg.colors.slice(0, -1).join(",") + ")";
+    ticks.className = "ticks";
+    for (const [position, label] of lg.ticks) {
+      const s = document.createElement("span");
+      s.style.left = (100 * position) + "%";
+      s.textContent = label;
+      ticks.appendChild(s);
     }
-    legend.append(bar, ends);
+    title.className = "legend-title";
+    title.textContent = lg.title;
+    legend.append(bar, ticks, title);
   } else {
     lg.names.forEach((name, i) => {
       const item = document.createElement("div"), sw = document.createElement("span");
-      sw.className = "swatch"; sw.style.background = lg.colours[i];
+      sw.className = "swatch"; sw.style.background = lg.colors[i];
       item.append(sw, document.createTextNode(name));
       legend.appendChild(item);
     });
@@ -135,7 +132,7 @@ const G = 128, cellStart = new Int32Array(G * G + 1), cellItems = new Int32Array
   for (let i = 0; i < N; i++) if (D.x[i] !== null) cellItems[fill[cell(i)]++] = i;
 })();
 function nearest(mx, my) {
-  const f = frame(), scale = f.side * view.scale, radius = 8;
+  const f = frame(), scale = f.side * view.scale, radius = Math.max(8, pointSize(f) / 2);
   const dx = ((mx - view.ox) / view.scale - f.left) / f.side, dy = 1 - ((my - view.oy) / view.scale - f.top) / f.side;
   const r = radius / scale, c0 = Math.floor((dx - r) * G), c1 = Math.floor((dx + r) * G);
   const d0 = Math.floor((dy - r) * G), d1 = Math.floor((dy + r) * G);
@@ -144,7 +141,7 @@ function nearest(mx, my) {
     for (let cy = Math.max(0, d0); cy <= Math.min(G - 1, d1); cy++)
       for (let k = cellStart[cx * G + cy]; k < cellStart[cx * G + cy + 1]; k++) {
         const i = cellItems[k];
-        if (highlight !== null && !highlight[i]) continue;
+        if (selected !== null && !selected[i]) continue;
         const [sx, sy] = toScreen(i, f), d = (sx - mx) ** 2 + (sy - my) ** 2;
         if (d < bestD) { bestD = d; best = i; }
       }
@@ -169,22 +166,90 @@ function showTip(i, mx, my) {
   tip.style.top = (my + 14) + "px";
 }
 
-// Search and cluster selection share one highlight mask.
-const haystack = D.prompt.map((p, i) => (p + "\n" + D.response[i]).toLowerCase());
-function setHighlight(mask) {
-  highlight = mask;
+// The selection: search matches, a cluster (a click on its row) or a lasso. Its example ids (the records' index in
+// the dataset) are what `gpt4all-training curate --exclude-ids FILE` and `--include-ids FILE` read.
+function selectedIds() {
+  const ids = [];
+  if (selected) for (let i = 0; i < N; i++) if (selected[i]) ids.push(D.index[i]);
+  return ids.sort((a, b) => a - b);
+}
+const selectionJson = () => JSON.stringify({input: D.input, ids: selectedIds()});
+function setSelection(mask) {
+  selected = mask;
   let count = 0;
   if (mask) for (let i = 0; i < N; i++) count += mask[i];
   document.getElementById("match-count").textContent = count;
+  document.getElementById("export").disabled = document.getElementById("clear").disabled = !mask;
+  document.getElementById("selection-json").textContent = mask ? selectionJson() : "";
   draw();
 }
-document.getElementById("search").addEventListener("input", e => {
-  const q = e.target.value.trim().toLowerCase();
+function clearCluster() {
   activeCluster = null;
   document.querySelectorAll("tr.cluster-row.active").forEach(r => r.classList.remove("active"));
-  if (!q) return setHighlight(null);
-  setHighlight(Uint8Array.from(haystack, t => t.includes(q) ? 1 : 0));
+}
+document.getElementById("export").addEventListener("click", () => {
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(new Blob([selectionJson()], {type: "application/json"}));
+  link.download = "selection.json";
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
 });
+document.getElementById("clear").addEventListener("click", () => {
+  clearCluster();
+  document.getElementById("search").value = "";
+  setSelection(null);
+});
+
+const haystack = D.prompt.map((p, i) => (p + "\n" + D.response[i]).toLowerCase());
+document.getElementById("search").addEventListener("input", e => {
+  const q = e.target.value.trim().toLowerCase();
+  clearCluster();
+  setSelection(q ? Uint8Array.from(haystack, t => t.includes(q) ? 1 : 0) : null);
+});
+
+let lassoMode = false, lasso = null;
+const lassoButton = document.getElementById("lasso");
+lassoButton.addEventListener("click", () => {
+  lassoMode = !lassoMode;
+  lassoButton.setAttribute("aria-pressed", String(lassoMode));
+  canvas.classList.toggle("lasso", lassoMode);
+});
+function drawLasso() {
+  overlayCtx.clearRect(0, 0, overlay.width, overlay.height);
+  if (!lasso) return;
+  overlayCtx.strokeStyle = "#fff";
+  overlayCtx.setLineDash([4, 3]);
+  overlayCtx.beginPath();
+  lasso.forEach(([x, y], k) => k ? overlayCtx.lineTo(x, y) : overlayCtx.moveTo(x, y));
+  overlayCtx.closePath();
+  overlayCtx.stroke();
+}
+function inside(polygon, x, y) {  // even-odd rule: a ray to the right crosses the boundary an odd number of times
+  let odd = false;
+  for (let a = 0, b = polygon.length - 1; a < polygon.length; b = a++) {
+    const [xa, ya] = polygon[a], [xb, yb] = polygon[b];
+    if ((ya > y) !== (yb > y) && x < xa + (y - ya) * (xb - xa) / (yb - ya)) odd = !odd;
+  }
+  return odd;
+}
+function finishLasso() {
+  const polygon = lasso;
+  lasso = null;
+  drawLasso();
+  if (polygon.length < 3) return;
+  const f = frame(), mask = new Uint8Array(N);
+  const xs = polygon.map(p => p[0]), ys = polygon.map(p => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  for (let i = 0; i < N; i++) {
+    if (D.x[i] === null) continue;
+    const [sx, sy] = toScreen(i, f);
+    if (sx >= x0 && sx <= x1 && sy >= y0 && sy <= y1 && inside(polygon, sx, sy)) mask[i] = 1;
+  }
+  clearCluster();
+  document.getElementById("search").value = "";
+  fillTable();
+  setSelection(mask);
+}
 
 const columns = [["cluster", "#"], ["label", "top prompt words"], ["size", "n"], ["mean_loss", "mean loss"]];
 if (D.change) columns.push(["mean_loss_change", "mean change"]);
@@ -217,13 +282,13 @@ function fillTable() {
       activeCluster = activeCluster === c.cluster ? null : c.cluster;
       document.getElementById("search").value = "";
       fillTable();
-      setHighlight(activeCluster === null ? null : Uint8Array.from(D.cluster, v => v === activeCluster ? 1 : 0));
+      setSelection(activeCluster === null ? null : Uint8Array.from(D.cluster, v => v === activeCluster ? 1 : 0));
     });
     body.appendChild(tr);
   }
 }
 
-// Zoom around the cursor, drag to pan, double-click to reset.
+// Zoom around the cursor, drag to pan (shift-drag, or any drag with the lasso on, selects), double-click resets.
 let drag = null;
 canvas.addEventListener("wheel", e => {
   e.preventDefault();
@@ -233,9 +298,17 @@ canvas.addEventListener("wheel", e => {
   view.scale *= k;
   draw();
 }, {passive: false});
-canvas.addEventListener("mousedown", e => { drag = {x: e.offsetX, y: e.offsetY}; });
-window.addEventListener("mouseup", () => { drag = null; });
+canvas.addEventListener("mousedown", e => {
+  tip.style.display = "none";
+  if (lassoMode || e.shiftKey) lasso = [[e.offsetX, e.offsetY]];
+  else drag = {x: e.offsetX, y: e.offsetY};
+});
+window.addEventListener("mouseup", () => {
+  drag = null;
+  if (lasso) finishLasso();
+});
 canvas.addEventListener("mousemove", e => {
+  if (lasso) { lasso.push([e.offsetX, e.offsetY]); return drawLasso(); }
   if (drag) {
     view.ox += e.offsetX - drag.x; view.oy += e.offsetY - drag.y;
     drag = {x: e.offsetX, y: e.offsetY};
@@ -250,13 +323,13 @@ canvas.addEventListener("dblclick", () => { view = {scale: 1, ox: 0, oy: 0}; dra
 document.getElementById("title").textContent = D.title;
 document.getElementById("subtitle").textContent = D.subtitle;
 document.getElementById("point-count").textContent = N;
-const select = document.getElementById("colour-by");
+const select = document.getElementById("color-by");
 for (const name of Object.keys(modes)) {
   const o = document.createElement("option"); o.value = o.textContent = name; select.appendChild(o);
 }
-// A link can carry the view: map.html#colour=source&search=volcano
+// A link can carry the view: map.html#color=source&search=volcano
 const params = new URLSearchParams(location.hash.slice(1));
-select.value = modes[params.get("colour")] ? params.get("colour") : (D.change ? "loss change" : "loss");
+select.value = modes[params.get("color")] ? params.get("color") : (D.change ? "loss change" : "loss");
 select.addEventListener("change", () => setMode(select.value));
 fillTable();
 buckets = group(select.value);

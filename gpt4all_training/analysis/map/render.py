@@ -1,14 +1,18 @@
-"""What the map writes: the colours, the static PNG, and the page (package data: page.html with page.css and page.js
-inlined, so the written map is one file that loads nothing from the network)."""
+"""What the map writes: the colour scales (matplotlib colormaps and norms), the static PNG (matplotlib, with a
+colour bar and the cluster numbers), and the page (package data: page.html with page.css and page.js inlined, so
+the written map is one file that loads nothing from the network).
+
+A colour scale maps each point's value to one of BINS colours once, here; the page only draws the codes, so the
+page, its legend and the PNG cannot disagree about a colour.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-import struct
-import zlib
 from collections import Counter
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Optional
@@ -17,81 +21,104 @@ import numpy as np
 
 from gpt4all_training.analysis.map.runs import Run
 
-MAX_CATEGORIES = 20  # colours; rarer sources share the last one as "other"
-# Colour ramps shared by the page and the PNG, bright enough for a dark background: low loss blue through green to
-# high loss red; loss change blue (went down) through grey to red (went up). Red is "look here" in both.
-LOSS_STOPS = [(60, 120, 216), (70, 190, 190), (140, 210, 90), (250, 200, 40), (240, 60, 50)]
-CHANGE_STOPS = [(5, 113, 176), (146, 197, 222), (200, 200, 200), (244, 165, 130), (202, 0, 32)]
-CATEGORY_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-                   (140, 86, 75), (227, 119, 194), (188, 189, 34), (23, 190, 207), (174, 199, 232),
-                   (255, 187, 120), (152, 223, 138), (255, 152, 150), (197, 176, 213), (196, 156, 148),
-                   (247, 182, 210), (219, 219, 141), (158, 218, 229), (255, 255, 255), (127, 127, 127)]
-BACKGROUND = (17, 17, 17)
-MISSING = (90, 90, 90)
+BINS = 64  # colours per ramp; code BINS is "missing"
+MAX_CATEGORIES = 20  # tab20's colours; rarer sources share the last one as "other"
+BACKGROUND = "#111111"
+MISSING = "#5a5a5a"
+# Bright enough on the dark background: the darkest ends of turbo are cut off. High loss, and loss that went up,
+# are red in both: red is "look here".
+LOSS_COLORMAP = ("turbo", 0.1, 0.95)
+CHANGE_COLORMAP = "coolwarm"
 PLACEHOLDER = re.compile(r"__(TITLE|CSS|JS|DATA)__")  # in page.html
 
 
-def color_range(values: np.ndarray, symmetric: bool = False) -> tuple[float, float]:
-    """2nd..98th percentile of the finite values (symmetric about 0 for changes): outliers do not wash it out."""
+@dataclass
+class ColorScale:
+    """Values to colours: a matplotlib norm (value -> [0, 1]) and colormap, and how to draw and label them."""
+    title: str
+    values: np.ndarray
+    norm: object  # matplotlib.colors.Normalize
+    cmap: object  # matplotlib.colors.Colormap
+    magnitude_on_top: bool  # draw the largest |value| last (changes); otherwise the largest value last
+
+    def codes(self) -> np.ndarray:
+        """Each value's colour, 0..BINS-1, or BINS where it is missing."""
+        position = np.clip(np.ma.filled(self.norm(np.nan_to_num(self.values)), 0.0), 0.0, 1.0)
+        codes = np.minimum((position * BINS).astype(np.int64), BINS - 1)
+        codes[~np.isfinite(self.values)] = BINS
+        return codes
+
+    def colors(self) -> list[str]:
+        from matplotlib.colors import to_hex
+
+        return [to_hex(self.cmap((b + 0.5) / BINS)) for b in range(BINS)] + [MISSING]
+
+    def draw_order(self) -> list[int]:
+        """Codes from the least to the most notable, so the notable points end on top; missing first."""
+        centres = np.asarray(self.norm.inverse((np.arange(BINS) + 0.5) / BINS), dtype=np.float64)
+        key = np.abs(centres) if self.magnitude_on_top else centres
+        return [BINS, *np.argsort(key, kind="stable").tolist()]
+
+    def ticks(self) -> list[tuple[float, str]]:
+        """Round values inside the range, with their positions along the legend's bar."""
+        from matplotlib.ticker import MaxNLocator
+
+        low, high = float(self.norm.vmin), float(self.norm.vmax)
+        values = [v for v in MaxNLocator(5).tick_values(low, high) if low <= v <= high]
+        if getattr(self.norm, "vcenter", None) is not None and 0.0 not in values:
+            values = sorted([*values, 0.0])
+        return [(round(float(self.norm(v)), 4), f"{v:.3g}") for v in values]
+
+    def page(self) -> dict:
+        return {"title": self.title, "code": self.codes().tolist(), "colors": self.colors(),
+                "order": self.draw_order(), "ticks": self.ticks()}
+
+
+def finite_percentiles(values: np.ndarray, low: float, high: float) -> tuple[float, float]:
     finite = values[np.isfinite(values)]
     if finite.size == 0:
-        return (-1.0, 1.0) if symmetric else (0.0, 1.0)
-    if symmetric:
-        bound = max(float(np.percentile(np.abs(finite), 98)), 1e-6)
-        return -bound, bound
-    low, high = float(np.percentile(finite, 2)), float(np.percentile(finite, 98))
-    return (low, high) if high > low else (low - 0.5, low + 0.5)
+        return 0.0, 1.0
+    return float(np.percentile(finite, low)), float(np.percentile(finite, high))
 
 
-def ramp_colors(values: np.ndarray, value_range: tuple[float, float], stops: list[tuple]) -> np.ndarray:
-    """(n, 3) uint8 colours along a piecewise-linear ramp; NaN gets the 'missing' grey."""
-    stops_array = np.asarray(stops, dtype=np.float64)
-    low, high = value_range
-    t = np.clip((np.nan_to_num(values, nan=low) - low) / (high - low), 0.0, 1.0) * (len(stops) - 1)
-    left = np.minimum(t.astype(np.int64), len(stops) - 2)
-    frac = (t - left)[:, None]
-    rgb = stops_array[left] * (1 - frac) + stops_array[left + 1] * frac
-    rgb[~np.isfinite(values)] = MISSING
-    return np.round(rgb).astype(np.uint8)
+def loss_scale(loss: np.ndarray) -> ColorScale:
+    """turbo over the 2nd..98th percentile of the losses: a few outliers do not wash the rest out."""
+    from matplotlib import colormaps
+    from matplotlib.colors import ListedColormap, Normalize
+
+    low, high = finite_percentiles(loss, 2, 98)
+    if high <= low:
+        low, high = low - 0.5, low + 0.5
+    name, start, stop = LOSS_COLORMAP
+    cmap = ListedColormap(colormaps[name](np.linspace(start, stop, 256)))
+    return ColorScale("loss", loss, Normalize(low, high), cmap, magnitude_on_top=False)
 
 
-def rasterize(xy: np.ndarray, rgb: np.ndarray, order: np.ndarray, width: int = 1000, height: int = 800,
-              radius: int = 1) -> np.ndarray:
-    """Points as (2 radius + 1)-pixel squares on the background, drawn in `order` (later on top)."""
-    image = np.empty((height, width, 3), dtype=np.uint8)
-    image[:] = BACKGROUND
-    pad = 10 + radius
-    side = min(width, height) - 2 * pad
-    left, top = (width - side) // 2, (height - side) // 2
-    px = np.round(left + xy[order, 0] * side).astype(np.int64)
-    py = np.round(top + (1.0 - xy[order, 1]) * side).astype(np.int64)
-    colors = rgb[order]
-    for dy in range(-radius, radius + 1):
-        for dx in range(-radius, radius + 1):
-            image[py + dy, px + dx] = colors  # later rows overwrite earlier ones: `order` decides what is on top
-    return image
+def change_scale(change: np.ndarray) -> ColorScale:
+    """Blue for loss that went down, red for up, over the 2nd..98th percentile of the changes. When both signs
+    occur, 0 is the neutral grey in the middle (two slopes, one per sign); when the changes share a sign (say
+    fine-tuning lowered every loss), that half of the colormap spans the data's own range, so the points differ in
+    colour instead of all sharing one pale shade."""
+    from matplotlib import colormaps
+    from matplotlib.colors import ListedColormap, Normalize, TwoSlopeNorm
+
+    low, high = finite_percentiles(change, 2, 98)
+    diverging = colormaps[CHANGE_COLORMAP]
+    title = "loss change (input - compare)"
+    if low < 0.0 < high:
+        return ColorScale(title, change, TwoSlopeNorm(0.0, low, high), diverging, magnitude_on_top=True)
+    if high <= low:
+        low, high = low - 0.5, low + 0.5
+    half = np.linspace(0.0, 0.45, 256) if high <= 0 else np.linspace(0.55, 1.0, 256)
+    return ColorScale(title, change, Normalize(low, high), ListedColormap(diverging(half)), magnitude_on_top=True)
 
 
-def encode_png(image: np.ndarray) -> bytes:
-    """An 8-bit RGB PNG: signature, IHDR, one zlib IDAT of unfiltered rows, IEND."""
-    height, width, _ = image.shape
+def category_colors(n: int) -> list[str]:
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    rows = np.concatenate([np.zeros((height, 1), np.uint8), image.reshape(height, width * 3)], axis=1)
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
-            + chunk(b"IEND", b""))
-
-
-def write_png(xy: np.ndarray, loss: np.ndarray, change: Optional[np.ndarray], path: Path) -> None:
-    """The layout coloured by loss, or by loss change when there is one."""
-    values, stops, value_range = ((change, CHANGE_STOPS, color_range(change, True)) if change is not None
-                                  else (loss, LOSS_STOPS, color_range(loss)))
-    # Draw by |value| for changes and by value for loss, so that what matters is on top.
-    order = np.argsort(np.nan_to_num(np.abs(values) if change is not None else values, nan=-np.inf), kind="stable")
-    path.write_bytes(encode_png(rasterize(xy, ramp_colors(values, value_range, stops), order)))
+    tab20 = colormaps["tab20"]
+    return [to_hex(tab20(i % tab20.N)) for i in range(n)]
 
 
 def categories(values: np.ndarray) -> tuple[list[str], np.ndarray]:
@@ -103,6 +130,43 @@ def categories(values: np.ndarray) -> tuple[list[str], np.ndarray]:
     lookup = {name: i for i, name in enumerate(names)}
     other = len(names) - 1
     return names, np.array([lookup.get(v, other) for v in values.tolist()], dtype=np.int64)
+
+
+def write_png(xy: np.ndarray, scale: ColorScale, labels: np.ndarray, path: Path, title: str) -> None:
+    """The layout coloured by `scale`, notable points on top, with a colour bar and each cluster's number at its
+    median position; 1000 x 800 pixels."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to a file only
+    import matplotlib.pyplot as plt
+    from matplotlib.cm import ScalarMappable
+
+    codes = scale.codes()
+    rank = np.empty(BINS + 1, dtype=np.int64)
+    rank[scale.draw_order()] = np.arange(BINS + 1)
+    order = np.argsort(rank[codes], kind="stable")
+    colors = np.array(scale.colors())[codes[order]]
+    # Marker area in points^2: large for a few hundred points, about a pixel for 100k, so dense maps stay legible.
+    size = float(np.clip(4000.0 / len(xy), 0.3, 30.0))
+    fig, ax = plt.subplots(figsize=(10, 8), dpi=100, facecolor=BACKGROUND)
+    try:
+        ax.set_facecolor(BACKGROUND)
+        ax.scatter(xy[order, 0], xy[order, 1], s=size, c=colors, linewidths=0, rasterized=True)
+        for c in range(int(labels.max()) + 1):
+            where = np.median(xy[labels == c], axis=0)
+            ax.text(where[0], where[1], str(c), color="white", fontsize=8, ha="center", va="center",
+                    bbox={"facecolor": "black", "alpha": 0.5, "pad": 1, "linewidth": 0})
+        ax.set_xlim(-0.02, 1.02)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_aspect("equal")
+        ax.set_axis_off()
+        ax.set_title(title, color="white", fontsize=11)
+        bar = fig.colorbar(ScalarMappable(scale.norm, scale.cmap), ax=ax, fraction=0.04, pad=0.02)
+        bar.set_label(scale.title, color="white")
+        bar.ax.tick_params(colors="white")
+        fig.savefig(path, facecolor=BACKGROUND)
+    finally:
+        plt.close(fig)
 
 
 def truncate(column, limit: int) -> list[str]:
@@ -118,13 +182,18 @@ def rounded(values: np.ndarray, digits: int) -> list[Optional[float]]:
     return [None if not math.isfinite(v) else v for v in np.round(values.astype(np.float64), digits).tolist()]
 
 
-def page_payload(run: Run, xy: np.ndarray, labels: np.ndarray, rows: list[dict], change: Optional[np.ndarray],
-                 other: Optional[Run], text_chars: int) -> dict:
+def map_title(run: Run) -> str:
+    return f"{run.path.parent.name or run.path.name}: {len(run.loss)} examples"
+
+
+def page_payload(run: Run, xy: np.ndarray, labels: np.ndarray, rows: list[dict], scales: dict[str, ColorScale],
+                 change: Optional[np.ndarray], other: Optional[Run], text_chars: int) -> dict:
     sources, source_codes = categories(run.source)
     split_names, split_codes = categories(run.split)
-    payload = {
-        "title": f"{run.path.parent.name or run.path.name}: {len(run.loss)} examples",
+    return {
+        "title": map_title(run),
         "subtitle": str(run.path) + (f" compared with {other.path}" if other is not None else ""),
+        "input": str(run.path),
         "x": rounded(xy[:, 0], 4), "y": rounded(xy[:, 1], 4),
         "loss": rounded(run.loss, 4), "n_tokens": run.n_tokens.tolist(), "index": run.index.tolist(),
         "cluster": labels.tolist(), "source": source_codes.tolist(), "sources": sources,
@@ -132,14 +201,10 @@ def page_payload(run: Run, xy: np.ndarray, labels: np.ndarray, rows: list[dict],
         "prompt": truncate(run.prompt, text_chars), "response": truncate(run.response, text_chars),
         "clusters": [{k: r[k] for k in ("cluster", "label", "size", "mean_loss", "mean_loss_change") if k in r}
                      for r in rows],
-        "loss_range": color_range(run.loss), "loss_stops": LOSS_STOPS,
-        "categories": CATEGORY_COLORS, "missing": MISSING, "background": BACKGROUND,
-        "change": None,
+        "scales": {name: scale.page() for name, scale in scales.items()},
+        "categories": category_colors(MAX_CATEGORIES), "background": BACKGROUND,
+        "change": rounded(change, 4) if change is not None else None,
     }
-    if change is not None:
-        payload.update(change=rounded(change, 4), change_range=color_range(change, symmetric=True),
-                       change_stops=CHANGE_STOPS)
-    return payload
 
 
 def read_page_file(name: str) -> str:
@@ -158,4 +223,3 @@ def write_html(payload: dict, path: Path) -> None:
 
 def escape_html(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
-

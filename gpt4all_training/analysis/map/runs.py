@@ -42,31 +42,83 @@ def result_path(path: str | Path) -> Path:
     return path
 
 
-def embedding_matrix(column) -> np.ndarray:
-    """A list-of-float column as an (n, d) float32 array, straight from Arrow's buffers."""
+def embedding_matrix(column, file: Path | str = "embedding column") -> np.ndarray:
+    """A list-of-numbers column as an (n, d) float32 array, straight from Arrow's buffers. Every row must hold d
+    finite numbers: rows of other lengths would otherwise be read across each other's boundaries."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     values = column.combine_chunks()
-    n = len(values)
-    flat = values.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-    if n == 0 or flat.size % n:
-        raise UserError(f"embedding column: expected one equal-length vector per row ({n} rows, {flat.size} values)")
-    return flat.reshape(n, flat.size // n)
+    kind = values.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) or not (
+            pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type)):
+        raise UserError(f"{file}: column 'embedding' holds {kind}, not lists of numbers; rerun inference.py")
+    if values.null_count:
+        row = first_row(values.is_null())
+        raise UserError(f"{file}: {values.null_count} rows have no embedding (null), e.g. row {row}; rerun "
+                        f"inference.py")
+    lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False)
+    flat = values.flatten()
+    if lengths[0] == 0 or (lengths != lengths[0]).any():
+        row = int(np.flatnonzero(lengths != lengths[0])[0]) if lengths[0] else 0
+        raise UserError(f"{file}: embeddings differ in length (row 0 has {lengths[0]} values, row {row} has "
+                        f"{lengths[row]}); every row needs one vector of the same size: rerun inference.py")
+    if flat.null_count:
+        raise UserError(f"{file}: embeddings hold {flat.null_count} missing (null) values; rerun inference.py")
+    matrix = flat.to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(values), int(lengths[0]))
+    finite = np.isfinite(matrix).all(axis=1)
+    if not finite.all():
+        raise UserError(f"{file}: {int((~finite).sum())} embeddings hold NaN or infinite values, e.g. row "
+                        f"{int(np.flatnonzero(~finite)[0])}; the model overflowed: rerun inference.py with dtype: "
+                        f"float32")
+    return matrix
+
+
+def first_row(mask) -> int:
+    """The first row where an Arrow boolean array is true."""
+    return int(np.flatnonzero(mask.to_numpy(zero_copy_only=False))[0])
+
+
+def check_columns(table, file: Path) -> None:
+    """Each column read has the type inference.py writes and, but for loss (NaN where nothing was trained) and
+    source, no missing values."""
+    import pyarrow as pa
+
+    kinds = {"prompt": ("text", pa.types.is_string, pa.types.is_large_string),
+             "response": ("text", pa.types.is_string, pa.types.is_large_string),
+             "split": ("text", pa.types.is_string, pa.types.is_large_string),
+             "index": ("integers", pa.types.is_integer), "n_tokens": ("integers", pa.types.is_integer),
+             "loss": ("numbers", pa.types.is_floating, pa.types.is_integer)}
+    for name, (wanted, *accepts) in kinds.items():
+        column = table.column(name)
+        if not any(accept(column.type) for accept in accepts):
+            raise UserError(f"{file}: column {name!r} holds {column.type}, not {wanted}; is this inference.py output?")
+        if name != "loss" and column.null_count:
+            raise UserError(f"{file}: column {name!r} has {column.null_count} empty (null) rows, e.g. row "
+                            f"{first_row(column.combine_chunks().is_null())}; rerun inference.py")
 
 
 def load_run(path: str | Path) -> Run:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     file = result_path(path)
-    table = pq.read_table(file)
+    try:
+        table = pq.read_table(file)
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"{file}: not a readable Parquet file ({(str(exc).splitlines() or [''])[0][:160]}); run "
+                        f"inference.py again to write it") from None
     missing = [c for c in ("prompt", "response", "split", "index", "loss", "n_tokens", "embedding")
                if c not in table.column_names]
     if missing:
         raise UserError(f"{file}: column {missing[0]!r} is missing; is this inference.py output?")
     if table.num_rows == 0:
         raise UserError(f"{file}: no rows")
+    check_columns(table, file)
     n = table.num_rows
     source = (np.asarray(table.column("source").to_pylist(), dtype=object) if "source" in table.column_names
               else np.full(n, "unknown", dtype=object))
-    return Run(path=file, embeddings=embedding_matrix(table.column("embedding")),
+    return Run(path=file, embeddings=embedding_matrix(table.column("embedding"), file),
                loss=table.column("loss").to_numpy().astype(np.float64),
                n_tokens=table.column("n_tokens").to_numpy().astype(np.int64),
                split=np.asarray(table.column("split").to_pylist(), dtype=object),

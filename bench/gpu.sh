@@ -1,0 +1,588 @@
+#!/usr/bin/env bash
+# The GPU benchmark, prepared to run once on a lent GPU machine (one H200) in under 8 minutes:
+#
+#   bash bench/gpu.sh [--out DIR]            # results in DIR, else $OUT, else bench_gpu_out/
+#   bash bench/gpu.sh --dry-run --out DIR    # the same code paths at tiny sizes on a CPU, in about a minute
+#
+# Stages, each in its own process under its share of the time budget; a stage that fails or runs out of time is
+# recorded with its error line and the next one runs:
+#   hardware    versions, the GPU, and the bf16 matmul peak (the MFU denominator)
+#   cuda_tests  tests/test_cuda.py (bf16 numerics, packed examples kept apart by the attention kernels)
+#   prepare     a word-level tokenizer (32000 words), documents of random words (no downloads), the model's size
+#   ours        a ~1B Llama trained from random init by `python3 train.py --config ...` (causal_lm rows of 4096)
+#   trl         the same model, data and step size through TRL's SFTTrainer with packing=True (its default bfd)
+#   trl_wrapped the same with packing_strategy wrapped: fixed rows of max_length, the layout ours trains on
+#   report      results.json and results.md
+# The out dir gets results.json, results.md, log.txt and ours_metrics.jsonl (the run's own per-step rows).
+#
+# On the GPU machine, wheels in .whl/ (trl, datasets and the datasets dependencies that machine lacks) are installed
+# first into /tmp/site; carry .whl with the call. The dry run installs nothing: a row whose package is missing is
+# recorded as skipped (trl) or as an error.
+set -uo pipefail
+
+dry_run=0
+out=${OUT:-bench_gpu_out}
+while (($#)); do
+  case $1 in
+    --dry-run) dry_run=1; shift ;;
+    --out) out=${2:?--out needs a directory}; shift 2 ;;
+    *) echo "error: unknown argument $1; use --dry-run and --out DIR" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+repo=$PWD
+python=${PYTHON:-python3}
+if ((dry_run)); then mode=dry-run budget=300; else mode=full budget=460; fi
+reserve=20  # seconds kept back for the report, whatever the stages before it took
+log=$out/log.txt
+: > "$log"
+work=$(mktemp -d -t gpu-bench.XXXXXX) || exit 2
+trap 'rm -rf "$work"' EXIT
+
+export PYTHONUNBUFFERED=1 PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
+# No network on the GPU machine: every Hub lookup would wait for its timeout. Caches stay in the work dir.
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HOME=$work/hf WANDB_MODE=disabled
+export TOKENIZERS_PARALLELISM=false TQDM_MININTERVAL=10
+
+say() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$log"; }
+
+if ((!dry_run)) && compgen -G ".whl/*.whl" > /dev/null; then
+  say "installing the carried wheels into /tmp/site: $(cd .whl && echo *.whl)"
+  if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >> "$log" 2>&1; then
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+  else
+    say "the wheels did not install (see log.txt); going on with the packages already there"
+  fi
+fi
+
+if ((!dry_run)) && ! "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>> "$log"; then
+  say "error: $python sees no CUDA device; on a CPU machine run bench/gpu.sh --dry-run"
+  exit 2
+fi
+
+# stage NAME CAP COMMAND...: run COMMAND for at most CAP seconds and never past the budget; its output goes to the
+# console, log.txt and $work/NAME.log, its exit code and limit to $work/NAME.exit for the report.
+stage() {
+  local name=$1 cap=$2
+  shift 2
+  local left=$((budget - SECONDS - reserve))
+  local limit=$((cap < left ? cap : left))
+  if ((limit < 10)); then
+    echo "124 0" > "$work/$name.exit"
+    say "$name: not run, the ${budget} s budget is spent"
+    return
+  fi
+  say "$name: start (at most ${limit} s)"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$work/$name.log" | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "$rc $limit" > "$work/$name.exit"
+  say "$name: exit code $rc"
+}
+
+cat > "$work/bench.py" <<'PY'
+"""bench/gpu.sh's stages: `python bench.py STAGE WORK_DIR MODE` writes WORK_DIR/STAGE.json (report: the out dir)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from xml.etree import ElementTree
+
+SIZES = {
+    # A ~1B Llama (16 layers of 10.5M attention + 50.3M MLP weights, untied 65.5M embedding and LM head). A step is
+    # 8 rows of 4096 tokens, as 2 micro-batches of 4 rows: about 65 GB of activations, params and AdamW state.
+    "full": {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 32000,
+             "seq": 4096, "micro_batch": 4, "accumulation": 2, "steps": 25, "warmup": 5, "num_proc": 4,
+             "matmul": 8192, "matmul_repeats": 20},
+    "dry-run": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512,
+                "seq": 128, "micro_batch": 2, "accumulation": 2, "steps": 3, "warmup": 1, "num_proc": 1,
+                "matmul": 256, "matmul_repeats": 3},
+}
+EOS, UNK = "<|endoftext|>", "<unk>"
+LR, LR_WARMUP = 1e-4, 2  # speed does not depend on them; both rows use the same
+DATA_MARGIN = 1.5  # documents hold this many times the tokens the steps consume, so no row repeats
+MATMUL_ROUNDS = 3  # the peak is the best round: a clock still ramping up would lower a single one
+FLOPS_FORMULA = "6N + 12 * n_layer * hidden * seq"
+SDPA_PACKING = ("; TRL documents padding-free for FlashAttention 2/3: under sdpa, transformers turns the restarting "
+                "positions into a block-diagonal mask over the whole flattened micro-batch, run by a masked kernel")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------- hardware
+
+def hardware(work: Path, sizes: dict, mode: str) -> dict:
+    import torch
+
+    environment = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   "python": platform.python_version(), "cpu_count": os.cpu_count(), "cuda": torch.version.cuda,
+                   "gpu": torch.cuda.get_device_name() if cuda() else None,
+                   "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+                   if cuda() else None,
+                   **{name: version(name) for name in ("torch", "transformers", "accelerate", "trl", "datasets",
+                                                       "peft", "tokenizers", "pyarrow", "fsspec", "flash_attn")}}
+    log(f"environment: {environment}")
+    try:
+        matmul = matmul_peak(sizes)
+    except Exception as exc:  # the environment is still worth recording
+        traceback.print_exc()
+        matmul = {"status": "error", "error": one_line(exc)}
+    return {"status": "ok", "environment": environment, "matmul": matmul}
+
+
+def matmul_peak(sizes: dict) -> dict:
+    """bf16 products: the square one is the peak (the MFU denominator); the model's own shapes show how close its
+    matmuls get to it. Timed with CUDA events after warm-up (perf_counter on a CPU)."""
+    tokens = sizes["micro_batch"] * sizes["seq"]
+    h, f, v, s = sizes["hidden"], sizes["intermediate"], sizes["vocab"], sizes["matmul"]
+    shapes = [("square", s, s, s), ("MLP up: tokens x hidden x intermediate", tokens, h, f),
+              ("MLP down: tokens x intermediate x hidden", tokens, f, h),
+              ("LM head: tokens x hidden x vocab", tokens, h, v)]
+    rows = []
+    for name, m, k, n in shapes:
+        flops = max(time_matmul(m, k, n, sizes["matmul_repeats"]) for _ in range(MATMUL_ROUNDS))
+        rows.append({"name": name, "m": m, "k": k, "n": n, "flops_per_s": flops})
+        log(f"matmul {m}x{k}x{n} ({name}): {flops / 1e12:.4g} TFLOP/s")
+    return {"status": "ok", "peak_flops_per_s": rows[0]["flops_per_s"], "shapes": rows,
+            "method": f"bf16 torch.matmul into a preallocated output, random normal inputs; best of "
+                      f"{MATMUL_ROUNDS} rounds of {sizes['matmul_repeats']} products after 3 warm-ups"}
+
+
+def time_matmul(m: int, k: int, n: int, repeats: int) -> float:
+    import torch
+
+    device = "cuda" if cuda() else "cpu"
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.matmul(a, b, out=c)
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(repeats):
+            torch.matmul(a, b, out=c)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+    else:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            torch.matmul(a, b, out=c)
+        seconds = time.perf_counter() - started
+    return 2 * m * k * n * repeats / seconds
+
+
+# ---------------------------------------------------------------- prepare: tokenizer, data, model size
+
+def model_overrides(sizes: dict) -> dict:
+    """The Llama fields both rows set; head_dim too, since the llama defaults fix it at 128 for hidden 4096."""
+    return {"hidden_size": sizes["hidden"], "num_hidden_layers": sizes["layers"],
+            "num_attention_heads": sizes["heads"], "num_key_value_heads": sizes["kv_heads"],
+            "head_dim": sizes["hidden"] // sizes["heads"], "intermediate_size": sizes["intermediate"],
+            "max_position_embeddings": sizes["seq"], "tie_word_embeddings": False}
+
+
+def llama_config(sizes: dict, tokenizer):
+    """The model config as `init: from_config` builds it (model/from_config.py): the llama defaults, our fields,
+    then the vocabulary and special tokens of the tokenizer."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llama")
+    for key, value in model_overrides(sizes).items():
+        setattr(config, key, value)
+    config.vocab_size = len(tokenizer)
+    for kind in ("bos", "eos", "pad"):
+        setattr(config, f"{kind}_token_id", getattr(tokenizer, f"{kind}_token_id"))
+    return config
+
+
+def prepare(work: Path, sizes: dict, mode: str) -> dict:
+    """A word-level tokenizer (one token per word, so a document's length in tokens is exact) and documents of
+    random words, enough for every step of both rows; the model's parameter counts from a meta-device build."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(2, sizes["vocab"])]
+    backend = Tokenizer(models.WordLevel({EOS: 0, UNK: 1, **{w: i for i, w in enumerate(words, start=2)}},
+                                         unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([EOS, UNK])
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, unk_token=UNK, pad_token=EOS).save_pretrained(
+        work / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
+
+    seq = sizes["seq"]
+    needed = DATA_MARGIN * sizes["steps"] * sizes["micro_batch"] * sizes["accumulation"] * seq
+    rng = np.random.default_rng(0)
+    records, tokens = [], 0
+    while tokens < needed:
+        ids = rng.integers(0, len(words), size=int(rng.integers(seq // 8, seq // 2 + 1)))
+        records.append(json.dumps({"text": " ".join(words[i] for i in ids)}))
+        tokens += len(ids)
+    (work / "data.jsonl").write_text("\n".join(records) + "\n", encoding="utf-8")
+    log(f"data: {len(records)} documents of {seq // 8}-{seq // 2} words, {tokens:,} tokens")
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(llama_config(sizes, tokenizer))
+    n_params = sum(p.numel() for p in model.parameters())
+    n_matmul = n_params - model.get_input_embeddings().weight.numel()
+    flops_per_token = 6 * n_matmul + 12 * sizes["layers"] * sizes["hidden"] * seq
+    log(f"model: {n_params:,} parameters, N = {n_matmul:,} without the input embedding; "
+        f"{flops_per_token / 1e9:.2f} GFLOP per token")
+    return {"status": "ok", "sizes": sizes, "vocab": len(tokenizer), "documents": len(records), "tokens": tokens,
+            "n_params": n_params, "n_params_flops": n_matmul, "flops_per_token": flops_per_token,
+            "flops_formula": FLOPS_FORMULA, "overrides": model_overrides(sizes)}
+
+
+# ---------------------------------------------------------------- ours: the training CLI
+
+def ours(work: Path, sizes: dict, mode: str) -> dict:
+    import yaml
+
+    output_dir = work / "ours"
+    config = {"objective": "causal_lm", "init": "from_config", "model_config": "llama",
+              "model_config_overrides": model_overrides(sizes), "tokenizer_name": str(work / "tokenizer"),
+              "dtype": "bfloat16", "dataset_path": str(work / "data.jsonl"), "max_length": sizes["seq"],
+              "val_fraction": 0.0, "num_proc": sizes["num_proc"], "batch_size": sizes["micro_batch"],
+              "gradient_accumulation_steps": sizes["accumulation"], "lr_schedule": "cosine", "lr": LR,
+              "warmup_steps": LR_WARMUP, "weight_decay": 0.0, "max_grad_norm": 1.0, "num_epochs": 100,
+              "max_steps": sizes["steps"], "seed": 0, "eval_every": None, "save_every": None, "log_every": 1,
+              "log_grads_every": None, "output_dir": str(output_dir), "report_to": ["jsonl"]}
+    (work / "ours.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    output = run_streaming([sys.executable, "train.py", "--config", str(work / "ours.yaml")])
+    reported = re.search(r"parameters: ([\d,]+) trainable of ([\d,]+)", "\n".join(output))
+
+    rows = [r for r in map(json.loads, (output_dir / "metrics.jsonl").read_text().splitlines())
+            if "tokens_per_s" in r]
+    (work / "ours_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    # log_every 1: each row is one step's window. Its seconds follow from the row's trained tokens (the running
+    # total's increase) over its trained tokens/s; its tokens (every position: causal_lm rows have no padding)
+    # from tokens/s times those seconds.
+    steps, trained_before = [], 0
+    for row in rows:
+        seconds = (row["trained_tokens"] - trained_before) / row["trained_tokens_per_s"]
+        steps.append((row["tokens_per_s"] * seconds, seconds))
+        trained_before = row["trained_tokens"]
+    memory_key = "peak_gpu_mb" if "peak_gpu_mb" in rows[-1] else "peak_rss_mb"
+    return {**timed(steps, sizes["warmup"]), "peak_memory_mb": max(r[memory_key] for r in rows),
+            "memory_kind": "torch.cuda.max_memory_allocated" if memory_key == "peak_gpu_mb" else "host peak RSS",
+            "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
+            "n_params": int(reported.group(2).replace(",", "")) if reported else None,
+            "attention": "sdpa (transformers' default), one causal sequence per row",
+            "command": f"python3 train.py --config ours.yaml  ({json.dumps(config)})"}
+
+
+def run_streaming(command: list[str]) -> list[str]:
+    """Run `command`, echoing its output as it comes; its output lines, or a RuntimeError with its error line."""
+    output = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            output.append(line.rstrip())
+    if process.returncode != 0:
+        lines = [line for line in output if line.strip()]
+        errors = [line for line in lines if line.startswith("error:")]
+        raise RuntimeError(f"exit code {process.returncode}: {(errors or lines or [''])[-1][:300]}")
+    return output
+
+
+def timed(steps: list[tuple[float, float]], warmup: int) -> dict:
+    """Throughput over the steps after `warmup`: their tokens summed over their seconds summed."""
+    measured = steps[warmup:]
+    if not measured:
+        raise RuntimeError(f"{len(steps)} steps ran, none after the {warmup} warm-up steps")
+    tokens = sum(t for t, _ in measured)
+    seconds = sum(s for _, s in measured)
+    return {"status": "ok", "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "timed_steps": len(measured), "warmup_steps": warmup, "tokens_per_step": tokens / len(measured),
+            "step_seconds_median": statistics.median(s for _, s in measured),
+            "step_seconds": [round(s, 4) for _, s in steps]}
+
+
+# ---------------------------------------------------------------- TRL's SFTTrainer, packed
+
+def trl(work: Path, sizes: dict, mode: str, strategy: str = "bfd") -> dict:
+    """TRL's SFTTrainer with packing=True: `bfd` (its default, padding-free) or `wrapped` (fixed rows, like ours)."""
+    try:
+        import trl as trl_package
+    except ImportError:
+        return {"status": "skipped" if mode == "dry-run" else "error", "error": "trl not installed"}
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(llama_config(sizes, tokenizer), dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    lines = (work / "data.jsonl").read_text(encoding="utf-8").splitlines()
+    data = Dataset.from_list([json.loads(line) for line in lines])
+    args = SFTConfig(output_dir=str(work / "trl"), max_steps=sizes["steps"],
+                     per_device_train_batch_size=sizes["micro_batch"],
+                     gradient_accumulation_steps=sizes["accumulation"], learning_rate=LR, lr_scheduler_type="cosine",
+                     warmup_steps=LR_WARMUP, weight_decay=0.0, max_grad_norm=1.0, bf16=True,
+                     gradient_checkpointing=False, packing=True, packing_strategy=strategy, max_length=sizes["seq"], dataset_text_field="text",
+                     save_strategy="no", report_to="none", logging_steps=sizes["steps"], disable_tqdm=True, seed=0,
+                     use_cpu=not cuda())
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+
+    micro_tokens: list[int] = []  # every position of each micro-batch, in the order the trainer drew them
+    collate = trainer.data_collator
+
+    def counting_collate(examples):
+        batch = collate(examples)
+        micro_tokens.append(int(batch["input_ids"].numel()))
+        return batch
+
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda():  # the step's kernels are done: the clock reads the step, not its launch
+                torch.cuda.synchronize()
+            step_ends.append(time.perf_counter())
+            if state.global_step % 5 == 0 or state.global_step == state.max_steps:
+                log(f"trl ({strategy}): step {state.global_step}/{state.max_steps}")
+
+    trainer.data_collator = counting_collate
+    trainer.add_callback(StepClock())
+    started = time.perf_counter()
+    result = trainer.train()
+    accumulation = sizes["accumulation"]
+    steps = [(sum(micro_tokens[i * accumulation:(i + 1) * accumulation]), end - previous)
+             for i, (previous, end) in enumerate(zip([started, *step_ends], step_ends))]
+    return {**timed(steps, sizes["warmup"]),
+            "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda() else peak_rss_mb(),
+            "memory_kind": "torch.cuda.max_memory_allocated" if cuda() else "host peak RSS",
+            "train_loss": result.training_loss, "n_params": n_params,
+            "attention": model.config._attn_implementation, "padding_free": trainer.padding_free,
+            "packing_strategy": args.packing_strategy, "optimizer": getattr(args.optim, "value", str(args.optim)),
+            "trl": trl_package.__version__}
+
+
+def trl_wrapped(work: Path, sizes: dict, mode: str) -> dict:
+    return trl(work, sizes, mode, strategy="wrapped")
+
+
+# ---------------------------------------------------------------- report
+
+def report(work: Path, mode: str, out: Path, budget: int, elapsed: int) -> None:
+    hardware_result = load(work, "hardware")
+    environment = hardware_result.get("environment", hardware_result)
+    matmul = hardware_result.get("matmul", hardware_result)
+    spec = load(work, "prepare")
+    peak = matmul.get("peak_flops_per_s")
+    rows = {name: load(work, name) for name in ("ours", "trl", "trl_wrapped")}
+    for row in rows.values():
+        if row["status"] == "ok" and "flops_per_token" in spec:
+            row["achieved_flops_per_s"] = spec["flops_per_token"] * row["tokens_per_s"]
+            row["mfu"] = row["achieved_flops_per_s"] / peak if peak else None
+    both = rows["ours"]["status"] == rows["trl"]["status"] == "ok"
+    wrapped = rows["ours"]["status"] == rows["trl_wrapped"]["status"] == "ok"
+    results = {"mode": mode, "budget_s": budget, "elapsed_s": elapsed, "environment": environment,
+               "matmul": matmul, "cuda_tests": cuda_tests(work), "model": spec, "rows": rows,
+               "ours_over_trl": rows["ours"]["tokens_per_s"] / rows["trl"]["tokens_per_s"] if both else None,
+               "ours_over_trl_wrapped": (rows["ours"]["tokens_per_s"] / rows["trl_wrapped"]["tokens_per_s"]
+                                         if wrapped else None)}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(markdown(results), encoding="utf-8")
+    if (work / "ours_metrics.jsonl").is_file():
+        (out / "ours_metrics.jsonl").write_bytes((work / "ours_metrics.jsonl").read_bytes())
+    log(f"results: {out / 'results.json'}, {out / 'results.md'}")
+
+
+def load(work: Path, stage: str) -> dict:
+    """A stage's result; where it wrote none (killed, timed out, crashed before its handler), its exit as an error."""
+    path = work / f"{stage}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"status": "error", "error": exit_error(work, stage)}
+
+
+def exit_error(work: Path, stage: str) -> str:
+    exit_file = work / f"{stage}.exit"
+    if not exit_file.is_file():
+        return "not run"
+    code, limit = exit_file.read_text().split()
+    if limit == "0":
+        return "not run: the time budget was spent"
+    why = {"124": f"timed out after {limit} s",
+           "137": f"killed (past its {limit} s, or out of host memory)"}.get(code, f"exit code {code}")
+    log_file = work / f"{stage}.log"
+    lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()] \
+        if log_file.is_file() else []
+    return f"{why}: {lines[-1][:300]}" if lines else why
+
+
+def cuda_tests(work: Path) -> dict:
+    """pytest's JUnit XML: counts, and each test's outcome with its message."""
+    path = work / "cuda_tests.xml"
+    if not path.is_file():
+        return {"status": "error", "error": exit_error(work, "cuda_tests")}
+    suite = ElementTree.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    tests = []
+    for case in suite.iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("skipped", "failure", "error"):
+                outcome, message = child.tag, (child.get("message") or "").strip().split("\n")[0][:300]
+        tests.append({"name": case.get("name"), "outcome": outcome, "message": message})
+    return {"status": "ok", "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+            "failed": counts["failures"], "errors": counts["errors"], "skipped": counts["skipped"], "tests": tests}
+
+
+def markdown(results: dict) -> str:
+    env, matmul, spec, rows = results["environment"], results["matmul"], results["model"], results["rows"]
+    lines = [f"# GPU benchmark ({results['mode']})", ""]
+    if "date" in env:
+        lines += [f"{env['date']}; GPU: {env['gpu'] or 'none'} ({env['gpu_memory_gib']} GiB); torch {env['torch']} "
+                  f"(CUDA {env['cuda']}), transformers {env['transformers']}, accelerate {env['accelerate']}, trl "
+                  f"{env['trl']}, datasets {env['datasets']}, pyarrow {env['pyarrow']}, flash_attn "
+                  f"{env['flash_attn'] or 'not installed'}; {env['cpu_count']} CPUs. Wall time "
+                  f"{results['elapsed_s']} s of a {results['budget_s']} s budget.", ""]
+    else:
+        lines += [f"environment: {env['error']}", ""]
+    lines += ["## bf16 matmul peak (the MFU denominator)", ""]
+    if matmul["status"] == "ok":
+        lines += ["| product | m x k x n | TFLOP/s |", "|---|---|---|"]
+        lines += [f"| {s['name']} | {s['m']} x {s['k']} x {s['n']} | {s['flops_per_s'] / 1e12:.4g} |"
+                  for s in matmul["shapes"]]
+        lines += ["", f"Peak: **{matmul['peak_flops_per_s'] / 1e12:.4g} TFLOP/s** (the square product). "
+                      f"{matmul['method']}.", ""]
+    else:
+        lines += [f"error: {matmul['error']}", ""]
+    tests = results["cuda_tests"]
+    lines += ["## CUDA tests (tests/test_cuda.py)", ""]
+    if tests["status"] == "ok":
+        lines += [f"{tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
+                  f"{tests['skipped']} skipped", ""]
+        lines += [f"- {t['name']}: {t['outcome']}" + (f" ({t['message']})" if t["message"] else "")
+                  for t in tests["tests"]]
+        lines.append("")
+    else:
+        lines += [f"error: {tests['error']}", ""]
+    lines += ["## Training throughput", ""]
+    if spec["status"] == "ok":
+        s = spec["sizes"]
+        lines += [
+            f"Model: Llama from random init, hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads "
+            f"({s['kv_heads']} KV heads, head dim {s['hidden'] // s['heads']}), MLP {s['intermediate']}, vocab "
+            f"{spec['vocab']}, untied embeddings: {spec['n_params']:,} parameters. Full fine-tuning with AdamW, bf16 "
+            f"autocast over fp32 weights, no gradient checkpointing.",
+            f"Data: {spec['documents']} synthetic documents of random words ({spec['tokens']:,} tokens, "
+            f"{s['seq'] // 8}-{s['seq'] // 2} each, one token per word), max_length {s['seq']}; "
+            f"{s['micro_batch'] * s['accumulation']} rows per optimizer step (micro-batch {s['micro_batch']} x "
+            f"accumulation {s['accumulation']}); {s['steps']} steps, the first {s['warmup']} untimed.",
+            f"Model FLOPs per token = {spec['flops_formula']} = {spec['flops_per_token']:,} "
+            f"(N = {spec['n_params_flops']:,}: every parameter but the input embedding table, a lookup without "
+            f"FLOPs; the attention term counts the full seq x seq score and value products, causal or not).",
+            "Tokens/s = the timed steps' tokens (every position the model ran; neither row pads) summed over their "
+            "seconds summed. "
+            "MFU = FLOPs per token x tokens/s / the matmul peak.", ""]
+    else:
+        lines += [f"prepare: {spec['error']}", ""]
+    lines += ["| row | tokens/s | tokens / seconds (timed steps) | tokens per step | median step s | peak MiB | "
+              "achieved TFLOP/s | MFU |", "|---|---|---|---|---|---|---|---|"]
+    names = {"ours": "ours (train.py, causal_lm rows)", "trl": "TRL SFTTrainer, packing=True (bfd, its default)",
+             "trl_wrapped": "TRL SFTTrainer, packing=True, packing_strategy wrapped"}
+    for name, row in rows.items():
+        if row["status"] != "ok":
+            lines.append(f"| {names[name]} | {row['status']}: {row['error']} | | | | | | |")
+            continue
+        mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"
+        achieved = f"{row['achieved_flops_per_s'] / 1e12:.4g}" if "achieved_flops_per_s" in row else "-"
+        lines.append(f"| {names[name]} | **{row['tokens_per_s']:,.0f}** | {row['tokens']:,.0f} / "
+                     f"{row['seconds']:.2f} ({row['timed_steps']} steps) | {row['tokens_per_step']:,.0f} | "
+                     f"{row['step_seconds_median']:.3f} | {row['peak_memory_mb']:,.0f} ({row['memory_kind']}) | "
+                     f"{achieved} | {mfu} |")
+    if results["ours_over_trl"] is not None:
+        lines += ["", f"ours / TRL (bfd): **{results['ours_over_trl']:.2f}x** tokens/s."]
+    if results["ours_over_trl_wrapped"] is not None:
+        lines += ["", f"ours / TRL (wrapped rows, the same layout as ours): **{results['ours_over_trl_wrapped']:.2f}x** "
+                      f"tokens/s."]
+    trl_row = rows["trl"]
+    if trl_row["status"] == "ok":
+        lines += ["", f"TRL {trl_row['trl']}: packing_strategy {trl_row['packing_strategy']}, padding_free "
+                      f"{trl_row['padding_free']} (each micro-batch one flattened sequence, documents told apart by "
+                      f"restarting position ids), attention {trl_row['attention']}, optimizer {trl_row['optimizer']}"
+                      f"{SDPA_PACKING if trl_row['attention'] == 'sdpa' else ''}. "
+                      f"Ours: attention {rows['ours'].get('attention', '-')}, optimizer torch.optim.AdamW with its "
+                      f"defaults; documents joined with EOS and cut into rows, attention crossing document boundaries "
+                      f"inside a row (causal_lm, as in pretraining)."]
+    return "\n".join(lines) + "\n"
+
+
+STAGES = {"hardware": hardware, "prepare": prepare, "ours": ours, "trl": trl, "trl_wrapped": trl_wrapped}
+
+
+def main() -> None:
+    stage, work, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    if stage == "report":
+        report(work, mode, Path(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        return
+    try:
+        result = STAGES[stage](work, SIZES[mode], mode)
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"status": "error", "error": one_line(exc)}
+    (work / f"{stage}.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    log(f"{stage}: {result['status']}" + (f" ({result['error']})" if "error" in result else ""))
+
+
+if __name__ == "__main__":
+    main()
+PY
+
+say "GPU benchmark, $mode: results in $out, budget ${budget} s"
+stage hardware 90 "$python" "$work/bench.py" hardware "$work" "$mode"
+stage cuda_tests 120 "$python" -m pytest -q -p no:cacheprovider --junitxml="$work/cuda_tests.xml" tests/test_cuda.py
+stage prepare 90 "$python" "$work/bench.py" prepare "$work" "$mode"
+stage ours 210 "$python" "$work/bench.py" ours "$work" "$mode"
+stage trl 150 "$python" "$work/bench.py" trl "$work" "$mode"
+stage trl_wrapped 150 "$python" "$work/bench.py" trl_wrapped "$work" "$mode"
+"$python" "$work/bench.py" report "$work" "$mode" "$out" "$budget" "$SECONDS" 2>&1 | tee -a "$log"
+say "done in $SECONDS s"

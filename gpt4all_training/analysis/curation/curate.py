@@ -1,0 +1,274 @@
+"""curate: an inference run to a new dataset, `DIR/<name>_clean.jsonl` (the record fields clean.py wrote, ready for
+`dataset_path: DIR`), with `DIR/curate_report.json` (what was read, kept and dropped, by reason, cluster and source)
+and `DIR/curate_removed.jsonl` (every dropped record's index, reason and, for a duplicate, the record it repeats).
+Every file is written to a temporary name and renamed, so a crash never leaves a half-written dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from gpt4all_training.analysis.curation.embeddings import EMBEDDERS, record_embeddings, unit_rows
+from gpt4all_training.analysis.curation.rules import (exact_duplicates, loss_threshold, near_duplicates,
+                                                      similarity_summary)
+from gpt4all_training.analysis.inference import RESULT_COLUMNS
+from gpt4all_training.analysis.map.clusters import named_clusters
+from gpt4all_training.analysis.map.layout import embedding_features
+from gpt4all_training.analysis.map.runs import Run, load_run
+from gpt4all_training.errors import UserError
+
+# Why a record was dropped, in the order the rules run; a record counts under the first rule that drops it.
+REASONS = ("not_included", "excluded", "high_loss", "low_loss", "exact_duplicate", "near_duplicate")
+REPORT_FILE = "curate_report.json"
+REMOVED_FILE = "curate_removed.jsonl"
+EXAMPLES = 3  # example prompts per cluster and per source in the report
+EXAMPLE_CHARS = 160
+INTEGER = re.compile(r"\d+")
+
+
+@dataclass
+class CurateOptions:
+    near_duplicates: Optional[float] = None  # cosine similarity threshold
+    embedder: str = "minilm"
+    loss_above: Optional[float] = None  # quantile
+    loss_below: Optional[float] = None
+    include_ids: Optional[str] = None  # files
+    exclude_ids: Optional[str] = None
+    name: str = "curated"
+    seed: int = 0
+
+
+def read_ids(path: str, flag: str) -> np.ndarray:
+    """Example ids (records' `index`) from the map's download (`{"ids": [...]}`), a JSON list, or integers separated
+    by white space or commas."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{flag} {file}: no such file")
+    text = file.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = text.replace(",", " ").split()
+    if isinstance(data, dict):
+        data = data.get("ids")
+    if not isinstance(data, list):
+        raise UserError(f'{flag} {file}: expected the map\'s selection file ({{"ids": [...]}}), a JSON list of ids, '
+                        f"or one id per line")
+    bad = [v for v in data if not (type(v) is int or isinstance(v, str) and INTEGER.fullmatch(v))]
+    if bad:
+        raise UserError(f"{flag} {file}: ids are the records' index, whole numbers; got {bad[0]!r}")
+    return np.array([int(v) for v in data], dtype=np.int64)
+
+
+def check_ids(ids: np.ndarray, index: np.ndarray, flag: str, path: str, run_path: Path) -> None:
+    unknown = np.setdiff1d(ids, index)
+    if unknown.size:
+        raise UserError(f"{flag} {path}: {unknown.size} ids are not examples of {run_path} (e.g. {unknown[0]}); "
+                        f"was the selection made on a map of another dataset?")
+
+
+def check_quantile(value: Optional[float], flag: str) -> None:
+    if value is not None and not 0.0 < value < 1.0:
+        raise UserError(f"{flag}: a quantile between 0 and 1 (e.g. 0.95), got {value}")
+
+
+def check_options(options: CurateOptions) -> None:
+    if not any((options.near_duplicates is not None, options.loss_above is not None,
+                options.loss_below is not None, options.include_ids, options.exclude_ids)):
+        raise UserError("curate: no rule given; pass --near-duplicates, --loss-above, --loss-below, --include-ids "
+                        "or --exclude-ids")
+    check_quantile(options.loss_above, "--loss-above")
+    check_quantile(options.loss_below, "--loss-below")
+    if options.loss_above is not None and options.loss_below is not None and options.loss_below >= options.loss_above:
+        raise UserError(f"--loss-below {options.loss_below} must be below --loss-above {options.loss_above}, or "
+                        f"every record would be dropped")
+    if options.near_duplicates is not None and not 0.0 < options.near_duplicates <= 1.0:
+        raise UserError(f"--near-duplicates: a cosine similarity in (0, 1], e.g. 0.9; got {options.near_duplicates}")
+    if options.embedder not in EMBEDDERS:
+        raise UserError(f"--embedder {options.embedder!r}: one of {', '.join(EMBEDDERS)}")
+    if not re.fullmatch(r"[\w.-]+", options.name):
+        raise UserError(f"--name {options.name!r}: letters, digits, '.', '-' and '_' only (it names a file)")
+
+
+def write_atomically(path: Path, lines: Iterable[str]) -> None:
+    """Lines to a temporary file in the same folder, fsynced, then renamed over `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            for line in lines:
+                out.write(line + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def clipped(text: Optional[str]) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS - 1] + "\u2026"
+
+
+def removed_by(groups: np.ndarray, reason: np.ndarray, prompts: list[str], key: str,
+               labels: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """Per group (cluster or source) with a removed record: its size, what was removed and why, a few prompts."""
+    out = []
+    for group in sorted(set(groups[reason != ""].tolist())):
+        members = groups == group
+        removed = np.flatnonzero(members & (reason != ""))
+        entry: dict[str, Any] = {key: group}
+        if labels is not None:
+            entry["label"] = labels[group]
+        entry.update(size=int(members.sum()), removed=len(removed),
+                     by_reason=dict(Counter(reason[removed].tolist()).most_common()),
+                     examples=[clipped(prompts[i]) for i in removed[:EXAMPLES]])
+        out.append(entry)
+    return sorted(out, key=lambda e: (-e["removed"], e[key]))
+
+
+@dataclass
+class Rows:
+    """An inference run's rows in dataset order (by record index): "earlier" in the duplicate rules, and the order
+    of the written records. `order[k]` is row k's position in inference.parquet."""
+    order: np.ndarray
+    index: np.ndarray
+    split: np.ndarray
+    loss: np.ndarray
+    source: np.ndarray
+    prompts: list[str]
+    responses: list[str]
+    embeddings: np.ndarray
+
+    @classmethod
+    def of(cls, run: Run) -> "Rows":
+        order = np.argsort(run.index, kind="stable")
+        if len(np.unique(run.index)) != len(run.index):
+            raise UserError(f"{run.path}: the index column repeats values; is this one inference.py output?")
+        prompts, responses = run.prompt.to_pylist(), run.response.to_pylist()
+        return cls(order, run.index[order], run.split[order], run.loss[order], run.source[order],
+                   [prompts[i] for i in order], [responses[i] for i in order], run.embeddings[order])
+
+
+@dataclass
+class Decisions:
+    """Per row: why it was dropped ("" when kept) and, for a duplicate, the row it repeats and how closely."""
+    reason: np.ndarray
+    duplicate_of: np.ndarray
+    similarity: np.ndarray
+    rules: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def none(cls, n: int) -> "Decisions":
+        return cls(np.full(n, "", dtype=object), np.full(n, -1, dtype=np.int64), np.full(n, np.nan))
+
+    @property
+    def kept(self) -> np.ndarray:
+        return self.reason == ""
+
+    def drop(self, mask: np.ndarray, why: str) -> None:
+        """Rows of `mask` still kept are dropped for `why`; one dropped earlier keeps its first reason."""
+        self.reason[mask & self.kept] = why
+
+
+def apply_rules(rows: Rows, options: CurateOptions, run_path: Path) -> Decisions:
+    decisions = Decisions.none(len(rows.index))
+    for flag, ids_file, reason in (("--include-ids", options.include_ids, "not_included"),
+                                   ("--exclude-ids", options.exclude_ids, "excluded")):
+        if ids_file:
+            ids = read_ids(ids_file, flag)
+            check_ids(ids, rows.index, flag, ids_file, run_path)
+            listed = np.isin(rows.index, ids)
+            decisions.drop(~listed if reason == "not_included" else listed, reason)
+            decisions.rules[flag[2:].replace("-", "_")] = {"file": ids_file, "ids": int(np.unique(ids).size)}
+    for key, quantile in (("loss_above", options.loss_above), ("loss_below", options.loss_below)):
+        if quantile is not None:
+            if not np.isfinite(rows.loss).any():
+                raise UserError(f"{run_path}: no example has a finite loss; the loss rules have nothing to rank")
+            threshold = loss_threshold(rows.loss, quantile)
+            outside = rows.loss > threshold if key == "loss_above" else rows.loss < threshold
+            decisions.drop(outside, "high_loss" if key == "loss_above" else "low_loss")
+            decisions.rules[key] = {"quantile": quantile, "loss": round(threshold, 4)}
+    if options.near_duplicates is not None:
+        drop_duplicates(rows, decisions, options)
+    return decisions
+
+
+def drop_duplicates(rows: Rows, decisions: Decisions, options: CurateOptions) -> None:
+    """Exact duplicates, then near-duplicates among what is left."""
+    exact = exact_duplicates(rows.prompts, rows.responses, decisions.kept)
+    decisions.drop(exact >= 0, "exact_duplicate")
+    decisions.duplicate_of[exact >= 0] = exact[exact >= 0]
+    candidates = decisions.kept
+    if options.embedder == "minilm":
+        where = np.flatnonzero(candidates)
+        found = record_embeddings([rows.prompts[i] for i in where], [rows.responses[i] for i in where])
+        vectors = np.zeros((len(rows.index), found.shape[1]), dtype=np.float32)
+        vectors[where] = found
+    else:
+        # centred first: the direction every hidden state shares says nothing about a pair
+        vectors = unit_rows(rows.embeddings - rows.embeddings.mean(axis=0))
+    near = near_duplicates(vectors, candidates, options.near_duplicates, options.seed)
+    found = near.duplicate_of >= 0
+    decisions.drop(found, "near_duplicate")
+    decisions.duplicate_of[found], decisions.similarity[found] = near.duplicate_of[found], near.similarity[found]
+    decisions.rules["near_duplicates"] = {"threshold": options.near_duplicates, "embedder": options.embedder,
+                                          "partitions": near.partitions,
+                                          "nearest_similarity": similarity_summary(near.nearest)}
+
+
+def removed_lines(rows: Rows, decisions: Decisions) -> Iterable[str]:
+    for row in np.flatnonzero(~decisions.kept):
+        entry: dict[str, Any] = {"index": int(rows.index[row]), "split": rows.split[row],
+                                 "reason": decisions.reason[row],
+                                 "loss": round(float(rows.loss[row]), 4) if np.isfinite(rows.loss[row]) else None}
+        if decisions.duplicate_of[row] >= 0:
+            entry["duplicate_of"] = int(rows.index[decisions.duplicate_of[row]])
+        if np.isfinite(decisions.similarity[row]):
+            entry["similarity"] = round(float(decisions.similarity[row]), 4)
+        entry["prompt"] = clipped(rows.prompts[row])
+        yield json.dumps(entry, ensure_ascii=False)
+
+
+def curate(input_path: str | Path, output_dir: str | Path, options: CurateOptions) -> dict[str, Any]:
+    """Apply the rules (see the package docstring), write the dataset, the removed list and the report; returns
+    the report."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    check_options(options)
+    run = load_run(input_path)
+    rows = Rows.of(run)
+    decisions = apply_rules(rows, options, run.path)
+    kept = decisions.kept
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    table = pq.read_table(run.path)
+    # The record's own fields, as clean.py wrote them; inference.py's columns are not part of a record.
+    record_columns = [c for c in table.column_names if c not in ("index", *RESULT_COLUMNS)]
+    records = table.select(record_columns).take(pa.array(rows.order[kept])).to_pylist()
+    dataset = output_dir / f"{options.name}_clean.jsonl"
+    write_atomically(dataset, (json.dumps(r, ensure_ascii=False) for r in records))
+    write_atomically(output_dir / REMOVED_FILE, removed_lines(rows, decisions))
+
+    clusters, words = named_clusters(embedding_features(run.embeddings, options.seed), run, seed=options.seed)
+    counts = Counter(decisions.reason[~kept].tolist())
+    report = {
+        "input": str(run.path), "output": str(dataset), "read": len(rows.index), "kept": int(kept.sum()),
+        "dropped": {r: counts[r] for r in REASONS if counts[r]}, "dropped_total": int((~kept).sum()),
+        "rules": decisions.rules,
+        # Numbered as on the map of this run built with the same --seed and the default --clusters.
+        "removed_by_cluster": removed_by(clusters[rows.order], decisions.reason, rows.prompts, "cluster", words),
+        "removed_by_source": removed_by(rows.source, decisions.reason, rows.prompts, "source"),
+    }
+    write_atomically(output_dir / REPORT_FILE, [json.dumps(report, indent=2, ensure_ascii=False)])
+    return report

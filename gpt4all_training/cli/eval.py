@@ -1,0 +1,54 @@
+"""`gpt4all-training eval --model PATH --tasks NAMES`: lm-evaluation-harness scores, written to DIR/results.json."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpt4all_training.errors import UserError
+from gpt4all_training.evaluation.harness import EvalSettings, evaluate
+from gpt4all_training.evaluation.results import comparison_table, read_results, results_table, write_results
+from gpt4all_training.model.trained import DTYPES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="a model folder, .gguf file, adapter folder, step_N/ checkpoint or Hub id")
+    parser.add_argument("--tasks", required=True,
+                        help="comma-separated harness task names, tags, groups or task YAML files "
+                             "(e.g. gpt4all_offline with --include-path configs/eval)")
+    parser.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                        help="a folder of task YAML files (repeatable)")
+    parser.add_argument("--limit", type=int, help="score only the first N examples of each task")
+    parser.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples; unset: each task's own")
+    parser.add_argument("--output", metavar="DIR", help="write DIR/results.json")
+    parser.add_argument("--batch-size", type=int, default=1, help="requests per forward pass (default 1)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when there is one")
+    parser.add_argument("--seed", type=int,
+                        help="one seed for Python, NumPy, torch and the few-shot sampler; unset: the harness's "
+                             "defaults (0, 1234, 1234, 1234)")
+    parser.add_argument("--apply-chat-template", action="store_true",
+                        help="render each request with the tokenizer's chat template (few-shot as turns)")
+    parser.add_argument("--compare", metavar="RESULTS_JSON",
+                        help="an earlier results.json: print its scores beside these, with the difference")
+
+
+def run(args: argparse.Namespace) -> int:
+    for key, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise UserError(f"{key}: must be at least 1, got {value}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num-fewshot: must be >= 0, got {args.num_fewshot}")
+    before = read_results(args.compare) if args.compare else None  # a wrong path fails before the long part
+    settings = EvalSettings(tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+                            include_paths=tuple(args.include_path), limit=args.limit, num_fewshot=args.num_fewshot,
+                            batch_size=args.batch_size, dtype=args.dtype, device=args.device, seed=args.seed,
+                            apply_chat_template=args.apply_chat_template)
+    results = evaluate(args.model, settings)
+    print(results_table(results))
+    if args.output:
+        print(f"results: {write_results(results, args.output)}")
+    if before is not None:
+        print(f"\ncompared with {args.compare}:")
+        print(comparison_table(before, results))
+    return 0

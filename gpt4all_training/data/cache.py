@@ -1,0 +1,158 @@
+"""The tokenized fine-tuning data, cached: a second start with the same inputs loads the tokenized splits instead of
+tokenizing the records again.
+
+An entry's key is the SHA-256 of everything that decides the tokens:
+- the records' content (records_fingerprint: the digest a resume compares, so a moved file is the same data and a
+  Hub dataset is identified by the data its revision holds);
+- the tokenizer: its serialized vocabulary, merges, normalizer, pre-tokenizer, post-processor and added tokens, its
+  special tokens, its chat template, and how it encodes a probe;
+- the config's data settings: every field of the examples and prompt blocks (max_length, prompt_template, the split's
+  val_fraction and seed, train_turns, and whatever masking option joins them), but num_proc, which only says how
+  many processes tokenize;
+- the code: the source of the data package, and the versions of transformers, tokenizers and datasets.
+Any change gives another key: a miss, and a new entry.
+
+An entry is the folder `<cache_dir>/<key>/`: the kept train and validation splits (`Dataset.save_to_disk`), their
+statistics (`stats.json`) and, written last, a `COMPLETE` marker that lists every file's SHA-256. It is written as
+`<key>.tmp-<pid>/` and renamed, so a crash never leaves an entry that looks whole; an entry without its marker or
+with a file that no longer matches it is reported, deleted and rebuilt. Each start prints one line with
+`cache hit` or `cache miss`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from gpt4all_training.config.blocks import Examples, PromptFormat
+from gpt4all_training.data.sft import DataStats
+
+MARKER = "COMPLETE"
+SPLITS = ("train", "validation")
+# Examples fields that do not change what tokenization produces.
+NOT_DECIDING = frozenset({"num_proc"})
+PROBE = ["Hello world\n", " a b", "<|endoftext|><|im_start|>"]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 of what decides how `tokenizer` encodes text and renders prompts."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    described = {"class": type(tokenizer).__name__, "model": model, "chat_template": tokenizer.chat_template,
+                 "special_tokens": tokenizer.special_tokens_map,
+                 "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
+                 "probe": tokenizer(PROBE)["input_ids"]}
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def data_settings(config) -> dict[str, Any]:
+    """The config's fields that decide the tokens (see the module docstring)."""
+    fields = [f.name for block in (Examples, PromptFormat) for f in dataclasses.fields(block)]
+    return {name: getattr(config, name) for name in fields if name not in NOT_DECIDING}
+
+
+def code_version() -> str:
+    """SHA-256 of the data package's source and the library versions that tokenize and store the splits."""
+    import datasets
+    import tokenizers
+    import transformers
+
+    digest = hashlib.sha256(f"{transformers.__version__} {tokenizers.__version__} {datasets.__version__}".encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_key(config, tokenizer, records_digest: str) -> str:
+    parts = {"records": records_digest, "tokenizer": tokenizer_fingerprint(tokenizer),
+             "settings": data_settings(config), "code": code_version()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def cache_root(config) -> Path:
+    """cache_dir, or output_dir/tokenized: a restart or resume of the run finds it without any setting."""
+    return Path(config.cache_dir).expanduser() if config.cache_dir else Path(config.output_dir) / "tokenized"
+
+
+def entry_problem(entry: Path) -> str | None:
+    """None when `entry` is a complete, intact entry; otherwise why not."""
+    marker = entry / MARKER
+    if not marker.is_file():
+        return "incomplete (no COMPLETE marker)"
+    try:
+        files = json.loads(marker.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "its COMPLETE marker is unreadable"
+    for name, digest in files.items():
+        path = entry / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def load_entry(entry: Path):
+    import datasets
+
+    stats = json.loads((entry / "stats.json").read_text(encoding="utf-8"))
+    splits = tuple(datasets.load_from_disk(str(entry / name)) for name in SPLITS)
+    return splits, tuple(DataStats(**stats[name]) for name in SPLITS)
+
+
+def write_entry(entry: Path, splits, stats) -> None:
+    """Write the entry beside its final place and rename it there; another process that wrote the same entry first
+    wins (the contents are equal)."""
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        for name, split in zip(SPLITS, splits):
+            # An empty split (val_fraction: 0) would be saved as no shard at all, which load_from_disk cannot read.
+            split.save_to_disk(str(tmp / name), num_shards=None if len(split) else 1)
+        (tmp / "stats.json").write_text(json.dumps({name: dataclasses.asdict(s) for name, s in zip(SPLITS, stats)}),
+                                        encoding="utf-8")
+        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / MARKER).write_text(json.dumps(files, indent=1), encoding="utf-8")
+        os.replace(tmp, entry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cached_splits(config, tokenizer, records_digest: str, build: Callable[[], tuple[tuple, tuple]],
+                  log: Callable[[str], Any]) -> tuple[tuple, tuple]:
+    """((train, val), (train_stats, val_stats)): from the cache entry of these inputs, or `build()` and saved as one.
+    A cache that cannot be written costs the next start a tokenization, never this run."""
+    entry = cache_root(config) / cache_key(config, tokenizer, records_digest)
+    if entry.is_dir():
+        problem = entry_problem(entry)
+        if problem is None:
+            log(f"tokenized data: cache hit ({entry})")
+            return load_entry(entry)
+        reason = f"the entry was {problem}; rebuilt"
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        reason = "nothing cached for this data, tokenizer and settings"
+    splits, stats = build()
+    try:
+        write_entry(entry, splits, stats)
+        log(f"tokenized data: cache miss ({reason}); saved to {entry}")
+    except OSError as exc:
+        if entry_problem(entry) is None:  # written by another process meanwhile
+            log(f"tokenized data: cache miss ({reason}); another process saved {entry}")
+        else:
+            log(f"tokenized data: cache miss ({reason}); not saved ({exc.strerror or type(exc).__name__})")
+    return splits, stats

@@ -1,0 +1,1 @@
+"""Benchmark scores from lm-evaluation-harness on a model this project loads (`gpt4all-training eval`)."""

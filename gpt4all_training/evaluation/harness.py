@@ -1,0 +1,147 @@
+"""lm-evaluation-harness on a model opened by this project's loader.
+
+The harness's own `hf` model class (HFLM) wraps the model and tokenizer we load, so anything `--model` may name
+works: a folder, a GGUF file, an adapter over its base, a `step_N/` checkpoint. Tasks are the harness's: a name it
+ships (whose data it downloads from the Hub), a name defined by task YAML files under an include path, or a YAML
+file. The scores are the harness's own, computed by `lm_eval.simple_evaluate` with the harness's default seeds, so
+they equal what its `lm_eval --model hf` command reports for the same weights, tasks and settings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import yaml
+
+from gpt4all_training.errors import UserError
+from gpt4all_training.model.trained import DTYPES, describe, open_model
+
+# The harness's defaults (its command's --seed 0,1234,1234,1234): Python's random, NumPy, torch, few-shot sampler.
+HARNESS_SEEDS = {"python": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}
+TASK_FILE_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Everything besides the model that decides the scores. `num_fewshot` None keeps each task's own; `seed` None
+    keeps the harness's default seeds; `device` None is CUDA when there is one."""
+    tasks: tuple[str, ...]
+    include_paths: tuple[str, ...] = ()
+    limit: Optional[int] = None
+    num_fewshot: Optional[int] = None
+    batch_size: int = 1
+    dtype: str = "float32"
+    device: Optional[str] = None
+    seed: Optional[int] = None
+    apply_chat_template: bool = False
+
+    def seeds(self) -> dict[str, int]:
+        return dict(HARNESS_SEEDS) if self.seed is None else dict.fromkeys(HARNESS_SEEDS, self.seed)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """How the user named the tasks and include paths, for error lines: options of `eval`, or training config keys."""
+    tasks: str = "--tasks"
+    include_path: str = "--include-path"
+
+
+def is_task_file(name: str) -> bool:
+    return name.endswith(TASK_FILE_SUFFIXES)
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def task_manager_for(tasks: tuple[str, ...], include_paths: tuple[str, ...], keys: Keys = Keys()):
+    """A harness TaskManager that knows every task in `tasks`, or a UserError naming the first it cannot find.
+
+    Indexing the harness's own tasks reads thousands of YAML files (half a minute on a small machine), so when the
+    include paths define every requested name (or only task files are asked for), they are indexed alone."""
+    from lm_eval.tasks import TaskManager
+
+    if not tasks:
+        raise UserError(f"{keys.tasks}: name at least one task")
+    for folder in include_paths:
+        if not Path(folder).is_dir():
+            raise UserError(f"{keys.include_path}: {folder} is not a folder of task YAML files")
+    for name in tasks:
+        if is_task_file(name) and not Path(name).is_file():
+            raise UserError(f"{keys.tasks}: task file {name} does not exist")
+    names = [name for name in tasks if not is_task_file(name)]
+    if include_paths or not names:
+        local = TaskManager(include_path=list(include_paths) or None, include_defaults=False)
+        if all(name in local.all_tasks for name in names):
+            return local
+    manager = TaskManager(include_path=list(include_paths) or None)
+    for name in names:
+        if name not in manager.all_tasks:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else (
+                f"; task YAML files of your own go in a folder passed with {keys.include_path}")
+            raise UserError(f"{keys.tasks}: unknown task {name!r}{hint}")
+    return manager
+
+
+def load_tasks(manager, tasks: tuple[str, ...], keys: Keys = Keys()) -> list:
+    """The harness's Task and Group objects for `tasks`, with their data loaded. A task whose data cannot be read
+    (a Hub dataset while offline, a missing data file) is a UserError naming it."""
+    objects = []
+    for name in tasks:
+        try:
+            loaded = manager.load([name])
+        except OSError as exc:  # datasets' ConnectionError (Hub unreachable or offline), FileNotFoundError
+            raise UserError(f"{keys.tasks}: the data of task {name!r} cannot be loaded ({first_line(exc)}); the "
+                            f"harness's own tasks download theirs from the Hub, so run once with network access, "
+                            f"or use local task files ({keys.include_path})") from None
+        except yaml.YAMLError as exc:
+            raise UserError(f"{keys.tasks}: task file {name} is not valid YAML ({first_line(exc)})") from None
+        # Passed on as objects, so simple_evaluate does not build (and read the data of) each task again.
+        children = {child for kids in loaded.get("group_map", {}).values() for child in kids}
+        objects += [obj for key, obj in {**loaded.get("groups", {}), **loaded["tasks"]}.items() if key not in children]
+    return objects
+
+
+def evaluate(model_name: str, settings: EvalSettings, keys: Keys = Keys()) -> dict[str, Any]:
+    """The harness's results for `model_name` (see trained.open_model for what it may be) under `settings`, plus
+    a `run` entry with what decides the scores: the model's paths and content hashes, the settings, the seeds,
+    the chat template applied and the library versions."""
+    import lm_eval
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
+    # Tasks first: a misspelt task name costs no model load.
+    manager = task_manager_for(settings.tasks, settings.include_paths, keys)
+    tasks = load_tasks(manager, settings.tasks, keys)
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device: cuda was asked for, and torch sees no CUDA device")
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer = open_model(model_name, DTYPES[settings.dtype], device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+    template = lm.chat_template(True) if settings.apply_chat_template else None
+    if settings.apply_chat_template and not template:
+        raise UserError(f"--apply-chat-template: the tokenizer of {model_name} has no chat template")
+    seeds = settings.seeds()
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, task_manager=manager, num_fewshot=settings.num_fewshot, limit=settings.limit,
+        batch_size=settings.batch_size, log_samples=False, apply_chat_template=settings.apply_chat_template,
+        fewshot_as_multiturn=settings.apply_chat_template, random_seed=seeds["python"],
+        numpy_random_seed=seeds["numpy"], torch_random_seed=seeds["torch"], fewshot_random_seed=seeds["fewshot"])
+    results["run"] = {
+        "model": describe(model_name),
+        **asdict(settings),
+        "device": str(device),
+        "seeds": seeds,
+        "chat_template": template,
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+        "versions": {"lm_eval": lm_eval.__version__, "transformers": transformers.__version__,
+                     "torch": torch.__version__, "python": platform.python_version()},
+    }
+    return results

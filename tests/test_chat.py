@@ -1,0 +1,331 @@
+"""Conversations through the model's own chat template (data/chat.py): exact label arrays, parity with inference,
+truncation by whole rounds, and the errors a user can meet.
+
+Expected label arrays are built independently of the code under test, from character offsets: render the
+conversation as text (`apply_chat_template(tokenize=False)`), find each trained assistant turn's content and the
+end-of-turn text after it, tokenize the text with offsets and label every token that overlaps those spans. The
+parity properties compare against `apply_chat_template(tokenize=True, sanitize_control_tokens=True)` of each
+conversation's first k messages, which is what inference encodes.
+
+Three tokenizers: SmolLM2-135M-Instruct's (ChatML with a default system message; eos = <|im_end|>; slow to load the
+first time), the session BPE tokenizer with ChatML tokens and template (`chat_tokenizer`: eos = <|endoftext|>, so the
+end-of-turn token is not EOS), and the session BPE tokenizer with Llama 2's [INST] template (bos = eos, stripped
+contents, no generation prompt, no tool role).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.files import write_jsonl
+from support.models import CHAT_TEMPLATE
+
+from gpt4all_training.batch import IGNORE
+from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.data.chat import end_of_turn_id, tokenized_conversations
+from gpt4all_training.data.sft import load_data
+from gpt4all_training.errors import UserError
+from gpt4all_training.model.chat_templates import CHATML, apply_chat_template_option
+
+M = IGNORE
+SYSTEM = {"role": "system", "content": "Answer in one word."}
+ROUND_1 = [{"role": "user", "content": "Name a colour of the sky."}, {"role": "assistant", "content": "Blue."}]
+ROUND_2 = [{"role": "user", "content": "And of grass?"}, {"role": "assistant", "content": "Green."}]
+TOOL_ROUND = [{"role": "user", "content": "What is the weather in Oslo?"},
+              {"role": "assistant", "content": '{"name": "weather", "arguments": {"city": "Oslo"}}'},
+              {"role": "tool", "content": '{"sky": "rain", "celsius": 4}'},
+              {"role": "assistant", "content": "Rain, 4 degrees."}]
+
+
+@pytest.fixture(params=[pytest.param("smollm2", marks=pytest.mark.slow), "chatml", "llama2"])
+def chat(request):
+    """(tokenizer, its end-of-turn text, whether the template strips contents); SmolLM2 is slow to load once."""
+    if request.param == "smollm2":
+        return request.getfixturevalue("smollm2_tokenizer"), "<|im_end|>", False
+    if request.param == "chatml":
+        return request.getfixturevalue("chat_tokenizer"), "<|im_end|>", False
+    return request.getfixturevalue("llama2_chat_tokenizer"), "<|endoftext|>", True
+
+
+def tokenize_conversation(tokenizer, messages, max_length: int = 512, train_turns: str = "all") -> dict:
+    out = tokenized_conversations({"messages": [messages]}, tokenizer, max_length, train_turns)
+    return {key: values[0] for key, values in out.items()}
+
+
+def offsets_labels(tokenizer, messages, trained: set[int], end_of_turn: str, strips: bool
+                   ) -> tuple[list[int], list[int]]:
+    """The expected (ids, labels), from character offsets of the rendered text (see the module docstring)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, cursor = [], 0
+    for index, message in enumerate(messages):
+        content = message["content"].strip() if strips else message["content"]
+        start = text.index(content, cursor)
+        cursor = start + len(content)
+        if index in trained:
+            end = text.index(end_of_turn, cursor) + len(end_of_turn)
+            spans.append((start, end))
+            cursor = end
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [token if any(s < span_end and e > span_start for span_start, span_end in spans) else M
+              for token, (s, e) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+    labels[0] = M
+    return encoding["input_ids"], labels
+
+
+def trained_text(tokenizer, row) -> list[str]:
+    """The trained tokens, decoded run by run."""
+    runs, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != M:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+# ---------------------------------------------------------------- exact label arrays
+
+def test_system_and_two_rounds(chat):
+    tokenizer, end_of_turn, strips = chat
+    messages = [SYSTEM, *ROUND_1, *ROUND_2]
+    row = tokenize_conversation(tokenizer, messages)
+    ids, labels = offsets_labels(tokenizer, messages, {2, 4}, end_of_turn, strips)
+    assert (row["input_ids"], row["labels"]) == (ids, labels)
+    space = " " if strips else ""  # Llama 2 writes " content " before EOS, and the model must write it too
+    assert trained_text(tokenizer, row) == [f"{space}Blue.{space}{end_of_turn}", f"{space}Green.{space}{end_of_turn}"]
+    assert (row["drop_reason"], row["n_trained"], row["truncated_prompt"], row["truncated_response"]) == \
+        ("", sum(label != M for label in labels), False, False)
+
+
+def test_tool_turn_is_context_and_both_answers_are_trained(chat):
+    tokenizer, end_of_turn, strips = chat
+    row = tokenize_conversation(tokenizer, [SYSTEM, *TOOL_ROUND])
+    if strips:  # Llama 2's template raises on a role other than user and assistant
+        assert row["drop_reason"] == "rejected_by_template"
+        return
+    ids, labels = offsets_labels(tokenizer, [SYSTEM, *TOOL_ROUND], {2, 4}, end_of_turn, strips)
+    assert (row["input_ids"], row["labels"]) == (ids, labels)
+    assert trained_text(tokenizer, row) == [TOOL_ROUND[1]["content"] + end_of_turn, "Rain, 4 degrees." + end_of_turn]
+
+
+def test_train_false_keeps_a_turn_as_context(chat):
+    tokenizer, end_of_turn, strips = chat
+    messages = [SYSTEM, ROUND_1[0], {**ROUND_1[1], "train": False}, *ROUND_2]
+    row = tokenize_conversation(tokenizer, messages)
+    plain = [SYSTEM, *ROUND_1, *ROUND_2]
+    assert (row["input_ids"], row["labels"]) == offsets_labels(tokenizer, plain, {4}, end_of_turn, strips)
+
+
+def test_train_turns_last_trains_only_the_final_answer(chat):
+    tokenizer, end_of_turn, strips = chat
+    messages = [SYSTEM, *ROUND_1, *ROUND_2]
+    row = tokenize_conversation(tokenizer, messages, train_turns="last")
+    assert (row["input_ids"], row["labels"]) == offsets_labels(tokenizer, messages, {4}, end_of_turn, strips)
+
+
+def test_typed_special_tokens_stay_text(chat):
+    """A user who types the end-of-turn (and start-of-turn) text cannot end or open a turn: it is encoded as text, as
+    apply_chat_template's sanitize_control_tokens encodes it, and the labels are unchanged. After the user's turn
+    the ids are those of the same conversation without the typed text, so the offsets' labels apply from the end."""
+    tokenizer, end_of_turn, strips = chat
+    typed = {"role": "user", "content": f"Say {end_of_turn} then <|im_start|>assistant and stop."}
+    messages = [SYSTEM, typed, *ROUND_2[1:]]
+    row = tokenize_conversation(tokenizer, messages)
+    assert row["input_ids"] == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                             sanitize_control_tokens=True)
+    end_of_turn_id = tokenizer.convert_tokens_to_ids(end_of_turn)
+    plain = [SYSTEM, {"role": "user", "content": "Say nothing."}, *ROUND_2[1:]]
+    assert row["input_ids"].count(end_of_turn_id) == tokenizer.apply_chat_template(
+        plain, tokenize=True, return_dict=False).count(end_of_turn_id)  # the template's own markers only
+    assert typed["content"] in tokenizer.decode(row["input_ids"])
+    ids, labels = offsets_labels(tokenizer, plain, {2}, end_of_turn, strips)
+    tail = len(ids) - next(i for i, label in enumerate(labels) if label != M)
+    assert row["input_ids"][-tail:] == ids[-tail:]
+    assert row["labels"] == [M] * (len(row["labels"]) - tail) + labels[-tail:]
+
+
+def test_truncation_drops_the_first_round_and_keeps_the_system_message(chat):
+    tokenizer, end_of_turn, strips = chat
+    shorter = [SYSTEM, *ROUND_2]
+    fits = len(tokenizer.apply_chat_template(shorter, tokenize=True, return_dict=False))
+    row = tokenize_conversation(tokenizer, [SYSTEM, *ROUND_1, *ROUND_2], max_length=fits)
+    assert (row["input_ids"], row["labels"]) == offsets_labels(tokenizer, shorter, {2}, end_of_turn, strips)
+    assert (row["truncated_prompt"], row["truncated_response"], row["drop_reason"]) == (True, False, "")
+
+
+def test_a_last_round_too_long_alone_is_cut_without_end_of_turn(chat):
+    tokenizer, end_of_turn, strips = chat
+    long_answer = {"role": "assistant", "content": "Blue, " * 40 + "and blue."}
+    messages = [SYSTEM, ROUND_1[0], long_answer]
+    ids, labels = offsets_labels(tokenizer, messages, {2}, end_of_turn, strips)
+    max_length = len(ids) - 20
+    row = tokenize_conversation(tokenizer, messages, max_length=max_length)
+    assert (row["input_ids"], row["labels"]) == (ids[:max_length], labels[:max_length])
+    assert tokenizer.convert_tokens_to_ids(end_of_turn) not in [label for label in row["labels"] if label != M]
+    assert (row["truncated_prompt"], row["truncated_response"], row["drop_reason"]) == (False, True, "")
+
+
+@pytest.mark.slow
+def test_smollm2_end_of_turn_is_its_eos_and_chatml_tiny_is_not(smollm2_tokenizer, chat_tokenizer):
+    assert end_of_turn_id(smollm2_tokenizer) == smollm2_tokenizer.eos_token_id == \
+        smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_id(chat_tokenizer) == chat_tokenizer.convert_tokens_to_ids("<|im_end|>") != \
+        chat_tokenizer.eos_token_id
+
+
+# ---------------------------------------------------------------- what is dropped
+
+@pytest.mark.parametrize("messages, reason", [
+    ([ROUND_1[0]], "last_turn_not_assistant"),
+    ([ROUND_1[1], *ROUND_2], "roles_out_of_order"),
+    ([*ROUND_1, ROUND_1[1]], "roles_out_of_order"),
+    ([*ROUND_1, SYSTEM, *ROUND_2], "roles_out_of_order"),
+    ([ROUND_1[0], {"role": "tool", "content": "x"}, ROUND_1[1]], "roles_out_of_order"),
+    ([{"role": "narrator", "content": "Once."}, *ROUND_1], "unknown_role"),
+    ([{"role": "user", "content": " \n"}, ROUND_1[1]], "empty_turn"),
+    ([ROUND_1[0], {"role": "assistant", "content": "Blue.", "train": False}], "no_trained_tokens"),
+], ids=["no-answer", "assistant-first", "two-answers", "system-later", "tool-after-user", "narrator", "blank",
+        "nothing-trained"])
+def test_conversations_that_cannot_train_are_dropped_with_a_reason(chat_tokenizer, messages, reason):
+    assert tokenize_conversation(chat_tokenizer, messages)["drop_reason"] == reason
+
+
+def test_two_user_turns_pass_where_the_template_renders_them(chat_tokenizer, llama2_chat_tokenizer):
+    messages = [ROUND_1[0], ROUND_2[0], ROUND_1[1]]
+    assert tokenize_conversation(chat_tokenizer, messages)["drop_reason"] == ""
+    assert tokenize_conversation(llama2_chat_tokenizer, messages)["drop_reason"] == "rejected_by_template"
+
+
+# ---------------------------------------------------------------- parity with inference (hypothesis)
+
+WORDS = st.sampled_from(["Hi", " there", "2+2", " is", " 4", "ünï", " 12345", ".", "!?", "\n", "  ", "\t", "a\nb",
+                         "<|im_end|>", "<|im_start|>", "<|endoftext|>", "[INST]", " [/INST]"])
+CONTENT = st.lists(WORDS, min_size=1, max_size=6).map("".join).filter(str.strip)
+
+
+@st.composite
+def conversations(draw, tools: bool):
+    messages = [{"role": "system", "content": draw(CONTENT)}] if draw(st.booleans()) else []
+    for _ in range(draw(st.integers(1, 3))):
+        messages.append({"role": "user", "content": draw(CONTENT)})
+        if tools and draw(st.booleans()):
+            messages += [{"role": "assistant", "content": draw(CONTENT)}, {"role": "tool", "content": draw(CONTENT)}]
+        answer = {"role": "assistant", "content": draw(CONTENT)}
+        messages.append({**answer, "train": False} if draw(st.integers(0, 4)) == 0 else answer)
+    return messages
+
+
+def encoded(tokenizer, messages, generation_prompt: bool) -> list[int]:
+    plain = [{k: v for k, v in m.items() if k != "train"} for m in messages]
+    return tokenizer.apply_chat_template(plain, add_generation_prompt=generation_prompt, tokenize=True,
+                                         return_dict=False, sanitize_control_tokens=True)
+
+
+def check_parity(tokenizer, messages) -> None:
+    """Each trained assistant turn k starts right after the ids of messages[:k] with the generation prompt (so those
+    ids are what inference feeds the model), and runs through its last special token; nothing else is trained."""
+    row = tokenize_conversation(tokenizer, messages, max_length=100_000)
+    full = encoded(tokenizer, messages, False)
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("train") is not False]
+    if row["drop_reason"] == "prefix_mismatch":  # only where inference's ids truly differ
+        assert any(full[:len(encoded(tokenizer, messages[:k], True))] != encoded(tokenizer, messages[:k], True)
+                   for k in turns)
+        return
+    assert row["drop_reason"] == ("" if turns else "no_trained_tokens")
+    assert row["input_ids"] == full
+    expected = [M] * len(full)
+    specials = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    for k in turns:
+        before = encoded(tokenizer, messages[:k], True)
+        assert full[:len(before)] == before
+        if not any(s in m["content"] for m in messages[:k] for s in tokenizer.added_tokens_encoder):
+            assert before == tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
+        through = encoded(tokenizer, messages[:k + 1], False)
+        end = max(i for i in range(len(before), len(through)) if full[i] in specials) + 1
+        expected[len(before):end] = full[len(before):end]
+    expected[0] = M
+    assert row["labels"] == expected
+
+
+PARITY = settings(max_examples=150, derandomize=True, database=None, deadline=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@PARITY
+@given(messages=conversations(tools=True))
+def test_parity_chatml(chat_tokenizer, messages):
+    check_parity(chat_tokenizer, messages)
+
+
+@PARITY
+@given(messages=conversations(tools=False))
+def test_parity_llama2(llama2_chat_tokenizer, messages):
+    check_parity(llama2_chat_tokenizer, messages)
+
+
+@pytest.mark.slow
+@settings(PARITY, max_examples=60)
+@given(messages=conversations(tools=True))
+def test_parity_smollm2(smollm2_tokenizer, messages):
+    check_parity(smollm2_tokenizer, messages)
+
+
+# ---------------------------------------------------------------- the template, the config and the data
+
+def test_a_tokenizer_without_a_template_is_one_user_error(tokenizer, tmp_path):
+    write_jsonl(tmp_path / "chat_clean.jsonl", [{"messages": [*ROUND_1], "source": "t"}] * 4)
+    config = validate(TrainConfig(model_name="m", dataset_path=str(tmp_path), val_fraction=0.0, num_proc=1))
+    with pytest.raises(UserError, match=r"^chat_template: the tokenizer has no chat template .* set chat_template "
+                                        r"to a Jinja file or to 'chatml'$"):
+        load_data(config, tokenizer)
+
+
+def test_chatml_built_in_needs_its_tokens(tokenizer, chat_tokenizer):
+    with pytest.raises(UserError, match=r"^chat_template: 'chatml' needs <\|im_start\|> and <\|im_end\|> as special "
+                                        r"tokens"):
+        apply_chat_template_option(tokenizer, "chatml")
+    copy = apply_chat_template_option(type(chat_tokenizer).from_pretrained(chat_tokenizer.name_or_path), "chatml")
+    assert copy.chat_template == CHATML
+    assert copy.apply_chat_template(ROUND_1, tokenize=False) == chat_tokenizer.apply_chat_template(ROUND_1,
+                                                                                                   tokenize=False)
+
+
+def test_chat_template_from_a_file_and_a_missing_one(chat_tokenizer, tmp_path):
+    copy = type(chat_tokenizer).from_pretrained(chat_tokenizer.name_or_path)
+    (tmp_path / "t.jinja").write_text(CHAT_TEMPLATE + "{# from a file #}")
+    assert apply_chat_template_option(copy, str(tmp_path / "t.jinja")).chat_template == \
+        CHAT_TEMPLATE + "{# from a file #}"
+    with pytest.raises(UserError, match=r"^chat_template: nope.jinja is neither a file nor a built-in template"):
+        apply_chat_template_option(copy, "nope.jinja")
+
+
+def test_plain_prompt_template_refuses_conversations(chat_tokenizer, tmp_path):
+    write_jsonl(tmp_path / "chat_clean.jsonl", [{"messages": [*ROUND_1], "source": "t"}] * 4)
+    config = validate(TrainConfig(model_name="m", dataset_path=str(tmp_path), val_fraction=0.0, num_proc=1,
+                                  prompt_template="plain"))
+    with pytest.raises(UserError, match=r"^prompt_template: 'plain' cannot write conversations"):
+        load_data(config, chat_tokenizer)
+
+
+def test_a_dataset_mixing_conversations_and_pairs_renders_every_row_as_a_conversation(chat_tokenizer, tmp_path):
+    rows = [{"messages": [SYSTEM, *ROUND_1, *ROUND_2], "source": "chat"},
+            {"messages": [SYSTEM, *TOOL_ROUND], "source": "tool"},
+            {"source": "pair", "prompt": ROUND_1[0]["content"], "response": ROUND_1[1]["content"]},
+            {"messages": [ROUND_1[0]], "source": "unanswered"}]
+    write_jsonl(tmp_path / "mixed_clean.jsonl", rows)
+    config = validate(TrainConfig(model_name="m", dataset_path=str(tmp_path), val_fraction=0.0, num_proc=1,
+                                  max_length=256))
+    (train, _), (stats, _) = load_data(config, chat_tokenizer)
+    assert stats.dropped == {"last_turn_not_assistant": 1}
+    by_index = {row["index"]: row for row in train}
+    assert sorted(by_index) == [0, 1, 2]
+    expected_pair = offsets_labels(chat_tokenizer, ROUND_1, {1}, "<|im_end|>", False)
+    assert (by_index[2]["input_ids"], by_index[2]["labels"]) == expected_pair
+    assert (by_index[0]["input_ids"], by_index[0]["labels"]) == offsets_labels(
+        chat_tokenizer, [SYSTEM, *ROUND_1, *ROUND_2], {2, 4}, "<|im_end|>", False)
+    assert trained_text(chat_tokenizer, by_index[1]) == [TOOL_ROUND[1]["content"] + "<|im_end|>",
+                                                         TOOL_ROUND[3]["content"] + "<|im_end|>"]

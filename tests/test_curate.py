@@ -1,0 +1,202 @@
+"""curate: planted near-duplicates found on all-MiniLM-L6-v2 embeddings, planted broken labels found by the loss rule
+after a short training of the tiny model, and the bookkeeping every run keeps (kept + dropped == read, the record
+fields clean.py writes, the id files the map downloads, one-line errors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from support.files import read_jsonl, write_jsonl
+from support.inference_runs import write_inference_run
+from gpt4all_training.analysis.curation.curate import REMOVED_FILE, REPORT_FILE, CurateOptions, curate, read_ids
+from gpt4all_training.analysis.inference import run_inference
+from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.schemas import InferenceConfig, TrainConfig
+from gpt4all_training.errors import UserError
+
+PARAPHRASES = ["Could you tell me: {}", "{} Please answer briefly.", "Question: {}\nAnswer it.", "I was wondering, {}"]
+
+
+def removed(output: Path) -> list[dict]:
+    return read_jsonl(output / REMOVED_FILE)
+
+
+def precision_recall(found: set[int], planted: set[int]) -> tuple[float, float]:
+    hits = len(found & planted)
+    return hits / max(len(found), 1), hits / len(planted)
+
+
+# ---------------------------------------------------------------- near-duplicates
+
+@pytest.fixture(scope="module")
+def planted_duplicates(clean_dolly, tmp_path_factory):
+    """150 short Dolly records, then 20 template paraphrases of some (same response) and 10 exact copies of
+    others: (inference run folder, indices of the planted rows, number of originals)."""
+    records = [r for r in read_jsonl(next(clean_dolly.glob("*_clean.jsonl")))
+               if len(r["prompt"]) + len(r["response"]) < 400][:150]
+    paraphrased = [dict(r, prompt=PARAPHRASES[k % len(PARAPHRASES)].format(r["prompt"]))
+                   for k, r in enumerate(records[:20])]
+    rows = records + paraphrased + [dict(r) for r in records[20:30]]
+    rng = np.random.default_rng(0)
+    folder = write_inference_run(tmp_path_factory.mktemp("planted-duplicates"),
+                                 rng.standard_normal((len(rows), 8)).astype(np.float32),
+                                 rng.gamma(2.0, 1.0, len(rows)), [r["prompt"] for r in rows],
+                                 response=[r["response"] for r in rows], source=[r["source"] for r in rows])
+    return folder, set(range(len(records), len(rows))), len(records)
+
+
+@pytest.mark.slow
+def test_planted_near_duplicates_are_found_on_minilm_embeddings(planted_duplicates, tmp_path):
+    folder, planted, originals = planted_duplicates
+    report = curate(folder, tmp_path / "out", CurateOptions(near_duplicates=0.9))
+    dropped = {r["index"]: r for r in removed(tmp_path / "out")}
+    precision, recall = precision_recall(set(dropped), planted)
+    assert precision >= 0.9 and recall >= 0.9, (precision, recall)
+    assert all(i in dropped for i in range(originals + 20, originals + 30))  # the exact copies, all of them
+    assert {dropped[i]["reason"] for i in range(originals + 20, originals + 30)} == {"exact_duplicate"}
+    # Each paraphrase points at the record it repeats, and no two distinct records were merged.
+    for k, i in enumerate(range(originals, originals + 20)):
+        if i in dropped:
+            assert dropped[i] == {**dropped[i], "reason": "near_duplicate", "duplicate_of": k}
+    assert not [i for i in dropped if i < originals]
+    near = report["rules"]["near_duplicates"]
+    assert near["embedder"] == "minilm" and near["nearest_similarity"]["records"] == originals + 20
+    assert report["read"] == report["kept"] + report["dropped_total"] == originals + 30
+
+
+# ---------------------------------------------------------------- broken labels
+
+FAMILIES = {
+    "sound": ("What sound does a {} make?", {"cat": "Meow.", "dog": "Woof.", "cow": "Moo.", "duck": "Quack.",
+                                             "sheep": "Baa.", "owl": "Hoot."}),
+    "color": ("What colour is {}?", {"grass": "Green.", "snow": "White.", "the sky": "Blue.", "coal": "Black.",
+                                     "a banana": "Yellow.", "a tomato": "Red."}),
+    "capital": ("What is the capital of {}?", {"France": "Paris.", "Japan": "Tokyo.", "Italy": "Rome.",
+                                               "Egypt": "Cairo.", "Peru": "Lima.", "Kenya": "Nairobi."}),
+    "opposite": ("What is the opposite of {}?", {"hot": "Cold.", "up": "Down.", "big": "Small.", "fast": "Slow.",
+                                                 "early": "Late.", "open": "Closed."}),
+}
+OPENINGS = ["", "Quick question: ", "Please answer: ", "Tell me: ", "Q: "]
+
+
+@pytest.fixture(scope="module")
+def swapped_labels(tmp_path_factory):
+    """480 records (24 facts x 5 openings x 4 copies), and 24 of them (5%) given the answer of a record of another
+    family: (dataset folder, the swapped records' indices)."""
+    records = [{"source": family, "prompt": opening + template.format(key), "response": answer}
+               for _ in range(4) for opening in OPENINGS
+               for family, (template, facts) in FAMILIES.items() for key, answer in facts.items()]
+    rng = np.random.default_rng(0)
+    swapped: set[int] = set()
+    while len(swapped) < 24:
+        a, b = (int(i) for i in rng.choice(len(records), 2, replace=False))
+        if a in swapped or b in swapped or records[a]["source"] == records[b]["source"]:
+            continue
+        records[a]["response"], records[b]["response"] = records[b]["response"], records[a]["response"]
+        swapped |= {a, b}
+    folder = tmp_path_factory.mktemp("swapped")
+    write_jsonl(folder / "facts_clean.jsonl", records)
+    return folder, swapped
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_swapped_responses_are_found_by_the_loss_rule(swapped_labels, tiny_model_dir, tmp_path):
+    from gpt4all_training.training.loop import train
+
+    data, swapped = swapped_labels
+    train(validate(TrainConfig(model_name=str(tiny_model_dir), dataset_path=str(data),
+                               output_dir=str(tmp_path / "run"), max_length=48, batch_size=16, lr=3e-3, min_lr=3e-4,
+                               warmup_steps=5, val_fraction=0.0, num_epochs=5, eval_every=None, save_every=None,
+                               num_proc=1, seed=0)))
+    run = run_inference(validate(InferenceConfig(model_name=str(tmp_path / "run" / "final"), dataset_path=str(data),
+                                                 output_dir=str(tmp_path / "inference"), max_length=48,
+                                                 val_fraction=0.0, batch_size=32, num_proc=1))).parent
+    report = curate(run, tmp_path / "curated", CurateOptions(loss_above=0.9))
+    found = {r["index"] for r in removed(tmp_path / "curated")}
+    assert report["dropped"] == {"high_loss": len(found)} and 40 <= len(found) <= 56  # the top tenth of 480
+    precision, recall = precision_recall(found, swapped)
+    assert recall >= 0.8, (precision, recall)
+    # The report names where they went: by source (family), with example prompts.
+    assert {e["source"] for e in report["removed_by_source"]} <= set(FAMILIES)
+    assert all(e["examples"] for e in report["removed_by_source"])
+
+
+# ---------------------------------------------------------------- bookkeeping
+
+@pytest.fixture
+def small_run(tmp_path) -> Path:
+    rng = np.random.default_rng(1)
+    prompts = [f"prompt {i}" for i in range(40)]
+    prompts[5] = prompts[4]  # an exact duplicate (same response below)
+    responses = [f"response {i}" for i in range(40)]
+    responses[5] = responses[4]
+    # Listed out of dataset order, as a 2-process inference run's (split, index) order can be.
+    index = np.roll(np.arange(40), 7)
+    return write_inference_run(tmp_path / "run", rng.standard_normal((40, 8)).astype(np.float32),
+                               np.linspace(1.0, 4.0, 40), [prompts[i] for i in index],
+                               response=[responses[i] for i in index], index=index, source=["a", "b"] * 20)
+
+
+def test_every_record_is_kept_or_counted_and_written_like_clean(small_run, tmp_path):
+    ids = tmp_path / "ids.txt"
+    ids.write_text("1\n2, 3\n")
+    out = tmp_path / "out"
+    report = curate(small_run, out, CurateOptions(near_duplicates=0.999, embedder="model", loss_above=0.9,
+                                                  loss_below=0.05, exclude_ids=str(ids), name="picked"))
+    assert report["read"] == 40 and report["kept"] + report["dropped_total"] == 40
+    assert report["dropped"]["excluded"] == 3 and report["dropped"]["exact_duplicate"] == 1
+    assert report["dropped"]["high_loss"] == 4 and report["dropped"]["low_loss"] == 2
+    assert json.loads((out / REPORT_FILE).read_text()) == report
+    written = read_jsonl(out / "picked_clean.jsonl")
+    assert len(written) == report["kept"]
+    assert all(list(r) == ["source", "prompt", "response"] for r in written)  # clean.py's fields, nothing else
+    kept_prompts = [r["prompt"] for r in written]
+    assert kept_prompts == sorted(kept_prompts, key=lambda p: int(p.split()[1]))  # dataset order
+    lines = removed(out)
+    assert sorted(r["index"] for r in lines) == sorted(set(range(40)) - {int(p.split()[1]) for p in kept_prompts})
+    assert next(r for r in lines if r["reason"] == "exact_duplicate")["duplicate_of"] == 4
+    assert sorted(p.name for p in out.iterdir()) == [REMOVED_FILE, REPORT_FILE, "picked_clean.jsonl"]  # no temp
+
+
+def test_id_files_in_every_format_the_map_and_people_write(tmp_path):
+    for content in ('{"input": "x", "ids": [3, 1]}', "[3, 1]", "3\n1\n", "3, 1"):
+        (tmp_path / "ids").write_text(content)
+        assert read_ids(str(tmp_path / "ids"), "--exclude-ids").tolist() == [3, 1]
+    (tmp_path / "ids").write_text("[1.5]")
+    with pytest.raises(UserError, match="whole numbers; got 1.5"):
+        read_ids(str(tmp_path / "ids"), "--exclude-ids")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({}, "no rule given"),
+    ({"loss_above": 95}, "--loss-above: a quantile between 0 and 1"),
+    ({"loss_above": 0.5, "loss_below": 0.6}, "--loss-below 0.6 must be below --loss-above 0.5"),
+    ({"near_duplicates": 1.5}, r"--near-duplicates: a cosine similarity in \(0, 1\]"),
+    ({"exclude_ids": "no/such/file"}, "--exclude-ids no/such/file: no such file"),
+    ({"include_ids": "IDS"}, "2 ids are not examples of"),
+    ({"loss_above": 0.9, "name": "a/b"}, "--name 'a/b': letters, digits"),
+])
+def test_mistakes_are_one_line_errors(small_run, tmp_path, options, message):
+    if options.get("include_ids") == "IDS":
+        (tmp_path / "ids.json").write_text('{"ids": [1, 400, 500]}')
+        options = {"include_ids": str(tmp_path / "ids.json")}
+    with pytest.raises(UserError, match=message) as error:
+        curate(small_run, tmp_path / "out", CurateOptions(**options))
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "out" / "curated_clean.jsonl").exists()
+
+
+def test_cli_prints_the_counts(small_run, tmp_path, capsys):
+    from gpt4all_training.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["curate", "--input", str(small_run), "--output", str(tmp_path / "out"), "--loss-above", "0.75"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("read 40, kept 30, dropped 10 (high_loss 10)\n")
+    assert f"wrote {tmp_path / 'out' / 'curated_clean.jsonl'}" in out

@@ -1,0 +1,80 @@
+"""bench/gpu.sh --dry-run: the GPU benchmark's code paths at tiny sizes on the CPU, so that a script run once on a
+lent GPU machine has not rotted in between. Its results.json is checked against the definitions it states: the
+model's size counted here from the Llama layout, tokens/s as tokens over seconds, MFU as achieved over peak."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def matmul_parameters(sizes: dict) -> int:
+    """N of the MFU formula for a Llama without biases and with an untied LM head: every weight that multiplies
+    activations (the input embedding is a lookup)."""
+    hidden, layers = sizes["hidden"], sizes["layers"]
+    kv_width = sizes["kv_heads"] * hidden // sizes["heads"]
+    attention = 2 * hidden * hidden + 2 * hidden * kv_width  # q and o; k and v, grouped
+    mlp = 3 * hidden * sizes["intermediate"]  # gate, up, down
+    norms = 2 * hidden
+    return layers * (attention + mlp + norms) + hidden + sizes["vocab"] * hidden  # final norm, LM head
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu-dry-run")
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu.sh"), "--dry-run", "--out", str(out)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=420,
+                          check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert {"results.json", "results.md", "log.txt"} <= {p.name for p in out.iterdir()}
+    return json.loads((out / "results.json").read_text())
+
+
+def test_model_size_and_flops_per_token(results):
+    model = results["model"]
+    sizes = model["sizes"]
+    n = matmul_parameters(sizes)
+    assert model["n_params_flops"] == n
+    assert model["n_params"] == n + sizes["vocab"] * sizes["hidden"]
+    assert model["flops_per_token"] == 6 * n + 12 * sizes["layers"] * sizes["hidden"] * sizes["seq"]
+
+
+def test_ours_row_throughput_and_mfu(results):
+    sizes, ours = results["model"]["sizes"], results["rows"]["ours"]
+    assert ours["status"] == "ok", ours
+    assert ours["n_params"] == results["model"]["n_params"]  # the CLI built the model the formula counts
+    assert ours["timed_steps"] == sizes["steps"] - sizes["warmup"]
+    full_rows = sizes["micro_batch"] * sizes["accumulation"] * sizes["seq"]  # causal_lm rows have no padding
+    assert ours["tokens"] == pytest.approx(ours["timed_steps"] * full_rows)
+    assert ours["tokens_per_s"] > 0
+    assert ours["tokens_per_s"] == pytest.approx(ours["tokens"] / ours["seconds"], rel=1e-9)
+    peak = results["matmul"]["peak_flops_per_s"]
+    assert peak > 0
+    assert ours["achieved_flops_per_s"] == pytest.approx(results["model"]["flops_per_token"] * ours["tokens_per_s"])
+    assert ours["mfu"] == pytest.approx(ours["achieved_flops_per_s"] / peak)
+
+
+def test_trl_row_and_cuda_tests(results):
+    trl = results["rows"]["trl"]
+    if importlib.util.find_spec("trl") is None:
+        assert trl == {"status": "skipped", "error": "trl not installed"}
+        assert results["ours_over_trl"] is None
+    else:
+        assert trl["status"] == "ok", trl
+        assert trl["tokens_per_s"] == pytest.approx(trl["tokens"] / trl["seconds"], rel=1e-9)
+    tests = results["cuda_tests"]
+    assert tests["status"] == "ok" and tests["tests"]
+    if not torch.cuda.is_available():
+        assert tests["skipped"] == len(tests["tests"])
+        assert tests["passed"] == tests["failed"] == tests["errors"] == 0

@@ -1,0 +1,311 @@
+"""`gpt4all-training serve`: the pure pieces (sampling, the text a stream may send, request validation) in process,
+then one real uvicorn server on the tiny chat model, started as a subprocess for the whole module and spoken to
+with the official `openai` client (and raw HTTP where the client would not send what is tested)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import secrets
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.launch import free_port
+from support.models import build_tiny_gptj
+from support.paths import PYTHON, REPO
+from gpt4all_training.serving.chat import end_of_turn_ids, render
+from gpt4all_training.serving.decoding import Sampling, TextStream, held_back, next_tokens, sample
+from gpt4all_training.serving.engine import Choice, Engine, QueueFull, Ticket
+from gpt4all_training.serving.protocol import APIError, ChatRequest, CompletionRequest, parse
+
+STARTUP_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 60
+PROMPTS = [f"Question {i}: what does the {word} do" + " and then" * (i % 5)
+           for i, word in enumerate(["river", "garden", "teacher", "camel", "engine", "violin", "harbor", "tiger",
+                                     "bridge", "lantern", "castle", "pencil", "rocket", "meadow", "falcon", "copper"])]
+
+
+# ---------------------------------------------------------------- pure pieces
+
+class CharTokenizer:
+    """decode() of a list of code points, enough for TextStream."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_a_stream_holds_back_what_a_stop_string_may_still_become():
+    assert held_back("hello wor", ["world"]) == 3
+    assert held_back("hello", ["world"]) == 0
+    assert held_back("abc\ufffd", []) == 1  # a partial UTF-8 character waits for its last byte
+    stream = TextStream(CharTokenizer(), ["STOP"])
+    sent = []
+    for text in ["a", "ab", "abS", "abST", "abSTx", "abSTxS", "abSTxSTOP", "abSTxSTOPzz"]:
+        stopped = stream.update([ord(c) for c in text])
+        sent.append(stream.sendable())
+        if stopped:
+            break
+    assert sent == ["a", "b", "", "", "STx", "", ""]
+    assert stream.text == "abSTx" and stream.stopped and stream.flush() == ""
+
+
+def test_each_row_samples_with_its_own_generator_and_greedy_rows_take_the_argmax():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    hot = Sampling(temperature=1.0)
+    alone = sample(logits[1], hot, torch.Generator().manual_seed(7))
+    rows = next_tokens(logits, [Sampling(0.0), hot, hot],
+                       [None, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)])
+    assert rows[0] == int(logits[0].argmax()) and rows[1] == alone
+
+
+def test_top_p_keeps_the_most_likely_tokens_up_to_its_mass():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    draws = {sample(logits, Sampling(1.0, top_p=0.7), torch.Generator().manual_seed(s)) for s in range(200)}
+    assert draws == {0, 1}
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None), (b"[1, 2]", None), (b'{"model": "m"}', "prompt"),
+    (b'{"model": "m", "prompt": "x", "temperature": "hot"}', "temperature"),
+    (b'{"model": "m", "prompt": "x", "max_tokens": 0}', "max_tokens"),
+])
+def test_bad_request_bodies_are_400_naming_the_field(body, param):
+    with pytest.raises(APIError) as caught:
+        parse(CompletionRequest, body)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_chat_messages_render_with_the_template_and_its_end_of_turn_is_found(chat_tokenizer):
+    body = parse(ChatRequest, json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}).encode())
+    ids = render(chat_tokenizer, [m.as_dict() for m in body.messages])
+    assert chat_tokenizer.decode(ids) == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    assert end_of_turn_ids(chat_tokenizer) == {chat_tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_a_full_queue_refuses_the_next_request(chat_tokenizer):
+    engine = Engine(build_tiny_gptj(chat_tokenizer), chat_tokenizer, set(), max_batch_size=2, max_queue=1)
+    loop = asyncio.new_event_loop()
+    try:
+        ticket = Ticket([Choice(0, [1, 2], 4, Sampling(0.0), 0)], (), False, loop)
+        engine.submit(ticket)  # the engine is not started: it stays waiting
+        with pytest.raises(QueueFull):
+            engine.submit(Ticket([Choice(0, [1, 2], 4, Sampling(0.0), 0)], (), False, loop))
+    finally:
+        loop.close()
+
+
+# ---------------------------------------------------------------- one real server for the rest
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    key: str
+    model: str
+    log: Path
+
+    def client(self, key: str | None = None):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, auth: bool = True) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if auth else {})}
+        request = urllib.request.Request(f"{self.url}{path}", data=body, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+
+def wait_until_ready(process: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    pytest.fail(f"the server was not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(chat_tokenizer, tmp_path_factory) -> Path:
+    """The tiny GPT-J over the ChatML tokenizer (its two special tokens included)."""
+    path = tmp_path_factory.mktemp("serve-model")
+    build_tiny_gptj(chat_tokenizer).save_pretrained(path)
+    chat_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir, tmp_path_factory):
+    key = secrets.token_hex(16)
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SERVE_TEST_KEY": key}
+    command = [PYTHON, "-m", "gpt4all_training.cli", "serve", "--model", str(chat_model_dir), "--port", str(port),
+               "--api-key-env", "SERVE_TEST_KEY", "--max-batch-size", "8", "--max-tokens-cap", "64",
+               "--max-prompt-tokens", "256"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_ready(process, url, log)
+        yield Server(process, url, key, str(chat_model_dir), log)
+    finally:
+        stop(process)
+
+
+def complete(server: Server, prompt: str, **options) -> str:
+    return server.client().completions.create(model=server.model, prompt=prompt, **options).choices[0].text
+
+
+@pytest.mark.integration
+def test_the_model_is_listed_and_another_name_is_404(server):
+    import openai
+
+    assert [m.id for m in server.client().models.list().data] == [server.model]
+    with pytest.raises(openai.NotFoundError) as caught:
+        server.client().completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.integration
+def test_a_wrong_or_missing_key_is_401(server):
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="not-the-key").models.list()
+    status, body = server.raw("GET", "/v1/models", auth=False)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert server.key not in server.log.read_text()
+
+
+@pytest.mark.integration
+def test_bad_bodies_and_limits_are_4xx_in_openai_shape(server):
+    import openai
+
+    for body in (b"{not json", b"\xff\xfe", b"[]", b""):
+        status, error = server.raw("POST", "/v1/completions", body)
+        assert status == 400 and set(error["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(server, "Hi", max_tokens=65)
+    assert caught.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(server, "word " * 300, max_tokens=4)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    status, _ = server.raw("POST", "/v1/completions", b"x" * (2 << 20))
+    assert status == 413
+
+
+@pytest.mark.integration
+def test_a_stream_joins_to_the_unstreamed_text(server):
+    text = complete(server, PROMPTS[0], max_tokens=20, temperature=0)
+    chunks = list(server.client().completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=20,
+                                                     temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    reply = server.client().chat.completions.create(model=server.model, messages=messages, max_tokens=20,
+                                                    temperature=0)
+    stream = list(server.client().chat.completions.create(model=server.model, messages=messages, max_tokens=20,
+                                                          temperature=0, stream=True,
+                                                          stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+    assert stream[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+@pytest.mark.integration
+def test_output_ends_before_a_stop_string(server):
+    text = complete(server, PROMPTS[2], max_tokens=30, temperature=0)
+    # Three characters from the middle of the greedy text, none a partial character.
+    start = next(i for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3] and text[i:i + 3].strip())
+    stop = text[start:start + 3]
+    expected = text[:text.index(stop)]
+    response = server.client().completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=30,
+                                                  temperature=0, stop=[stop, "never there"])
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (expected, "stop")
+    streamed = server.client().completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=30,
+                                                  temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+@pytest.mark.integration
+def test_a_seed_repeats_a_sample_and_other_seeds_differ(server):
+    first, again = (complete(server, PROMPTS[3], max_tokens=16, temperature=1.0, seed=11) for _ in range(2))
+    assert first == again
+    others = {complete(server, PROMPTS[3], max_tokens=16, temperature=1.0, seed=s) for s in range(4)}
+    assert len(others) > 1
+    choices = server.client().completions.create(model=server.model, prompt=PROMPTS[3], max_tokens=16,
+                                                 temperature=1.0, seed=11, n=2).choices
+    assert choices[0].text == first and choices[1].text != first  # choice i draws with seed + i
+
+
+@pytest.mark.integration
+def test_concurrent_clients_are_batched_and_get_the_sequential_greedy_text(server):
+    lengths = [6 + (i % 4) * 5 for i in range(len(PROMPTS))]
+
+    def one(i: int) -> str:
+        return complete(server, PROMPTS[i], max_tokens=lengths[i], temperature=0)
+
+    sequential = [one(i) for i in range(len(PROMPTS))]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        concurrent_ = list(pool.map(one, range(len(PROMPTS)), timeout=REQUEST_TIMEOUT_S))
+    assert concurrent_ == sequential
+    status, metrics = server.raw("GET", "/metrics")
+    assert status == 200 and metrics["max_batch_rows"] > 1
+    assert any(f"batch={size}" in server.log.read_text() for size in range(2, 9))
+
+
+@pytest.mark.integration
+def test_sigterm_lets_the_running_request_finish_then_exits(server):
+    """Last in the module: it stops the shared server."""
+    expected = complete(server, PROMPTS[4], max_tokens=64, temperature=0)
+    first_chunk = threading.Event()
+    chunks = []
+
+    def stream_one():
+        for chunk in server.client().completions.create(model=server.model, prompt=PROMPTS[4], max_tokens=64,
+                                                        temperature=0, stream=True):
+            chunks.append(chunk)
+            first_chunk.set()
+
+    client = threading.Thread(target=stream_one)
+    client.start()
+    assert first_chunk.wait(REQUEST_TIMEOUT_S)
+    server.process.send_signal(signal.SIGTERM)
+    client.join(REQUEST_TIMEOUT_S)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: the process ends by SIGTERM, as expected.
+    assert server.process.wait(timeout=60) == -signal.SIGTERM
+    assert "Application shutdown complete" in server.log.read_text()
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
