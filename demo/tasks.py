@@ -1,7 +1,7 @@
 """A seeded generator of instruction data whose answers can be checked exactly.
 
-Four task families: arithmetic, unit conversion, string reversal and sorting a short list. Each record is
-gpt4all-style raw JSONL (`prompt`, `response`, `source`), so the demo runs it through clean.py like user data.
+Four task families: arithmetic, unit conversion, string reversal and sorting a short list, asked two at a time in
+conversations written as OpenAI `messages` JSONL, so the demo runs them through clean.py like user data.
 """
 
 from __future__ import annotations
@@ -47,36 +47,6 @@ def sort_numbers(rng: random.Random) -> tuple[str, str]:
 
 TASKS = {"arithmetic": arithmetic, "unit_conversion": unit_conversion, "reverse_string": reverse_string,
          "sort_numbers": sort_numbers}
-
-
-def make_records(seed: int):
-    """An endless stream of records cycling through the task families, reproducible from `seed`."""
-    rng = random.Random(seed)
-    names = list(TASKS)
-    i = 0
-    while True:
-        name = names[i % len(names)]
-        prompt, answer = TASKS[name](rng)
-        yield {"prompt": prompt, "response": answer, "source": name}
-        i += 1
-
-
-def write_splits(out_dir: Path, n_train: int, n_test: int, seed: int) -> tuple[Path, Path]:
-    """raw/train.jsonl and raw/test.jsonl with distinct prompts: no test prompt appears in train."""
-    test, train, seen = [], [], set()
-    for record in make_records(seed):
-        if len(test) == n_test and len(train) == n_train:
-            break
-        if record["prompt"] in seen:
-            continue
-        seen.add(record["prompt"])
-        (test if len(test) < n_test else train).append(record)
-    raw = out_dir / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    paths = raw / "train.jsonl", raw / "test.jsonl"
-    for path, rows in zip(paths, (train, test)):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return paths
 
 
 def exact_match(prediction: str, answer: str) -> bool:
