@@ -292,11 +292,15 @@ def test_a_hundred_thousand_points_render_without_errors(browser, tmp_path):
 
 @pytest.mark.slow
 def test_umap_separates_planted_clusters_deterministically():
+    import torch
     from sklearn.neighbors import NearestNeighbors
 
     x, truth = planted(n_per=50, n_clusters=20)
     features = embedding_features(x)
+    threads = torch.get_num_threads()
     layout = layout_points(features, "umap", seed=0)
+    # numba's OpenMP pool would have raised torch's threads: training after a map, in one process, 15x slower
+    assert torch.get_num_threads() == threads
 
     def neighbour_agreement(points):  # share of each point's 10 nearest 2-D neighbours from its own cluster
         _, found = NearestNeighbors(n_neighbors=11).fit(points).kneighbors(points)

@@ -7,7 +7,7 @@ on top of each other; its neighbours are found exactly (see `umap_layout`), whic
 `--layout pca` skips UMAP for a quick look at very large runs.
 
 umap-learn compiles its kernels with numba on first use, in every new process, because a few of them are not
-marked for numba's on-disk cache. `cache_umap_kernels` marks them, so with NUMBA_CACHE_DIR set (the Makefile and
+marked for numba's on-disk cache. `configure_numba` marks them, so with NUMBA_CACHE_DIR set (the Makefile and
 the tests put it under .cache/) a later process loads them from disk: UMAP of 1,000 points in a fresh process took
 110 to 140 s with an empty cache and about 10 s with a warm one (7 s of it importing umap-learn), on 2 busy cores.
 """
@@ -35,10 +35,14 @@ def embedding_features(embeddings: np.ndarray, seed: int = 0) -> np.ndarray:
     return PCA(n_components, random_state=seed).fit_transform(x).astype(np.float32)
 
 
-def cache_umap_kernels() -> None:
-    """Mark umap-learn's uncached numba kernels for the on-disk cache (see the module docstring)."""
+def configure_numba() -> None:
+    """Before umap-learn runs: its uncached kernels marked for numba's disk cache (see the module docstring), and
+    numba's own thread pool instead of its OpenMP one, which shares torch's OpenMP runtime and raised torch's thread
+    count: a training step run in the same process after a map was 15 times slower."""
+    import numba
     from umap import layouts, umap_
 
+    numba.config.THREADING_LAYER = "workqueue"
     for kernel in (umap_.smooth_knn_dist, umap_.compute_membership_strengths,
                    layouts._nb_optimize_layout_euclidean_single_epoch):
         kernel.enable_caching()
@@ -48,7 +52,7 @@ def umap_layout(features: np.ndarray, seed: int) -> np.ndarray:
     import umap
     from sklearn.neighbors import NearestNeighbors
 
-    cache_umap_kernels()
+    configure_numba()
     k = min(N_NEIGHBORS, len(features) - 1)
     # Neighbours from scikit-learn (exact, vectorised), not from umap-learn: below 4,096 points it calls a numba
     # distance once per pair from Python (15 s for 1,000 points), and above that pynndescent compiles kernels that
