@@ -6,7 +6,7 @@
 2. clean them with clean.py (conversations in OpenAI `messages` form);
 3. measure the base SmolLM2-135M-Instruct: exact match on both assistant turns (greedy, through its chat template),
    and the offline lm-evaluation-harness suite (configs/eval) through `gpt4all-training eval`;
-4. fine-tune it with LoRA in bf16 autocast on every assistant turn (demo/config.yaml), merging the adapter in fp32;
+4. fine-tune it with LoRA in fp32 on every assistant turn (demo/config.yaml) and merge the adapter;
 5. measure the fine-tuned model the same way;
 6. score the training data with inference.py before and after fine-tuning and draw the map of it;
 7. curate: drop near-duplicates (MiniLM embeddings) and the examples whose loss after training is highest, retrain
@@ -42,15 +42,12 @@ def smollm2_gguf() -> Path:
 def turn_accuracy(model_name: str, tokenizer, test: list[dict]) -> dict[str, object]:
     """Exact match of the first and the second assistant turn (the second with the reference first answer in its
     context), overall and per family of the second turn, with the second answers for printing."""
-    import torch
-
     from gpt4all_training.generation.generate import generate_replies
     from gpt4all_training.model.loading import load_model
 
-    model = load_model(model_name)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        first = generate_replies(model, tokenizer, [r["messages"][:2] for r in test], 16, batch_size=20)
-        second = generate_replies(model, tokenizer, [r["messages"][:-1] for r in test], 16, batch_size=20)
+    model = load_model(model_name)  # fp32: CPUs without native bf16 (AVX2 only) emulate it, far slower
+    first = generate_replies(model, tokenizer, [r["messages"][:2] for r in test], 16, batch_size=20)
+    second = generate_replies(model, tokenizer, [r["messages"][:-1] for r in test], 16, batch_size=20)
     del model
     gc.collect()
     hits_first = [exact_match(a, r["messages"][2]["content"]) for a, r in zip(first, test)]
@@ -123,7 +120,7 @@ def main() -> None:
     print(f"exact match: first turn {before['first_turn']:.1%}, second turn {before['second_turn']:.1%}")
     eval_before = harness_scores(str(base), out / "eval" / "before")
 
-    step("4. fine-tuning with LoRA (bf16 autocast) on every assistant turn", started)
+    step("4. fine-tuning with LoRA on every assistant turn", started)
     overrides = [f"model_name={base}", f"tokenizer_name={tokenizer_dir}"]
     config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'clean'}",
                                               f"output_dir={out / 'run'}"])
