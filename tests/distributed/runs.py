@@ -184,3 +184,15 @@ def logits_of(model, dataset, pad_id: int, indices: list[int]) -> torch.Tensor:
     batch = padded_batch(dataset, indices, pad_id)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return logits[batch["attention_mask"].bool()]
+
+
+def merged_vs_adapter_difference(final: Path, validation) -> float:
+    """Largest logit difference between final/merged and final/ (base + adapter) on four validation examples: a merge
+    must fold in the whole adapter, built from the gathered weights, not one rank's partition or shards."""
+    from transformers import AutoModelForCausalLM
+
+    val_ds, pad_id = validation
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    indices = [0, 1, 2, 3]
+    return (logits_of(merged, val_ds, pad_id, indices) - logits_of(load_final(final), val_ds, pad_id, indices)
+            ).abs().max().item()
