@@ -8,8 +8,8 @@ on top of each other; its neighbours are found exactly (see `umap_layout`), whic
 
 umap-learn compiles its kernels with numba on first use, in every new process, because a few of them are not
 marked for numba's on-disk cache. `configure_numba` marks them, so with NUMBA_CACHE_DIR set (the Makefile and
-the tests put it under .cache/) a later process loads them from disk: UMAP of 1,000 points in a fresh process took
-110 to 140 s with an empty cache and about 10 s with a warm one (7 s of it importing umap-learn), on 2 busy cores.
+the tests put it under .cache/) a later process loads them from disk instead of compiling them again (BENCHMARKS.md,
+section 9, has the times).
 """
 
 from __future__ import annotations
