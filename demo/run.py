@@ -28,7 +28,7 @@ from demo.tasks import exact_match, write_conversation_splits
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EVAL_TASKS = ("gpt4all_arithmetic_choice", "gpt4all_last_word", "gpt4all_exact_match")
-EVAL_LIMIT = 40  # examples per task: enough to see the change, a minute per model on two cores
+EVAL_LIMIT = 20  # examples per task: enough to see the change, kept small for the 15-minute budget
 
 
 def smollm2_gguf() -> Path:
@@ -75,10 +75,10 @@ def harness_scores(model_name: str, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo_out", help="where everything is written (emptied first)")
-    parser.add_argument("--train-examples", type=int, default=320, help="clean training conversations")
-    parser.add_argument("--test-examples", type=int, default=60)
-    parser.add_argument("--copies", type=int, default=24, help="training conversations planted twice")
-    parser.add_argument("--swapped", type=int, default=24, help="training conversations given a wrong last answer")
+    parser.add_argument("--train-examples", type=int, default=240, help="clean training conversations")
+    parser.add_argument("--test-examples", type=int, default=40)
+    parser.add_argument("--copies", type=int, default=16, help="training conversations planted twice")
+    parser.add_argument("--swapped", type=int, default=16, help="training conversations given a wrong last answer")
     args = parser.parse_args()
 
     import torch
