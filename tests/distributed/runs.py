@@ -196,3 +196,11 @@ def merged_vs_adapter_difference(final: Path, validation) -> float:
     indices = [0, 1, 2, 3]
     return (logits_of(merged, val_ds, pad_id, indices) - logits_of(load_final(final), val_ds, pad_id, indices)
             ).abs().max().item()
+
+
+def final_logit_difference(final: Path, reference_final: Path, validation) -> float:
+    """Largest logit difference between two runs' final/ models on four validation examples."""
+    val_ds, pad_id = validation
+    indices = [0, 1, 2, 3]
+    return (logits_of(load_final(final), val_ds, pad_id, indices)
+            - logits_of(load_final(reference_final), val_ds, pad_id, indices)).abs().max().item()

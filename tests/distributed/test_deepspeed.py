@@ -11,8 +11,8 @@ import pytest
 import torch
 from support.models import weights
 
-from .runs import (LOGITS_ATOL, VAL_LOSS_ATOL, assert_same_training, load_final, logits_of, max_difference,
-                   merged_vs_adapter_difference, validation_loss)
+from .runs import (LOGITS_ATOL, VAL_LOSS_ATOL, assert_same_training, final_logit_difference, load_final,
+                   max_difference, merged_vs_adapter_difference, validation_loss)
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -91,11 +91,8 @@ def test_final_reloads_with_the_weights_the_ranks_trained(request, run_name, val
 @pytest.mark.parametrize(("run_name", "reference_name"), [(name, "single_run") for name in FULL_RUNS]
                          + [(name, "single_lora_run") for name in LORA_RUNS])
 def test_final_gives_the_logits_of_the_one_process_model(request, run_name, reference_name, validation):
-    val_ds, pad_id = validation
-    indices = [0, 1, 2, 3]
-    got = logits_of(load_final(request.getfixturevalue(run_name).final), val_ds, pad_id, indices)
-    want = logits_of(load_final(request.getfixturevalue(reference_name).final), val_ds, pad_id, indices)
-    assert (got - want).abs().max().item() < LOGITS_ATOL
+    run, reference = request.getfixturevalue(run_name), request.getfixturevalue(reference_name)
+    assert final_logit_difference(run.final, reference.final, validation) < LOGITS_ATOL
 
 
 @pytest.mark.parametrize("run_name", LORA_RUNS)
