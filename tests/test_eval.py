@@ -24,7 +24,7 @@ from support.files import read_jsonl, write_config, write_jsonl
 from support.paths import PYTHON, REPO
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
-from gpt4all_training.evaluation.after_training import check_eval_tasks
+from gpt4all_training.evaluation.train_tasks import check_eval_tasks
 from gpt4all_training.evaluation.harness import EvalSettings, evaluate, load_tasks, task_manager_for
 from gpt4all_training.evaluation.results import comparison_table, scores, tracker_metrics
 from gpt4all_training.model.loading import load_model, load_tokenizer
@@ -33,6 +33,7 @@ from gpt4all_training.model.trained import describe, resolve
 SUITE = REPO / "configs" / "eval"
 LM_EVAL = str(Path(PYTHON).with_name("lm_eval"))
 LIMIT, FEWSHOT = 6, 2
+TRAIN_STEPS = 3
 TIMEOUT_S = 600
 PAIRS = [("What is two plus two?", "Four."), ("Name a colour.", "Red."), ("Say hello.", "Hello!"),
          ("Which animal barks?", "A dog.")]
@@ -48,11 +49,14 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("eval-runs")
     data = write_jsonl(out / "data" / "pairs_clean.jsonl",
                        [{"prompt": p, "response": r, "source": "t"} for p, r in PAIRS]).parent
-    train_config = write_config(out, {
-        "model_name": str(tiny_model_dir), "dataset_path": str(data), "max_length": 64, "batch_size": 4,
-        "max_steps": 2, "warmup_steps": 0, "val_fraction": 0.0, "eval_every": None, "save_every": None,
-        "num_proc": 1, "report_to": ["jsonl"], "eval_tasks": ["gpt4all_arithmetic_choice"], "eval_tasks_limit": 4,
-        "eval_include_path": str(SUITE)})
+    # LoRA with dropout: scoring on the way must leave the training mode and the random state as they were.
+    training = {"model_name": str(tiny_model_dir), "dataset_path": str(data), "max_length": 64, "batch_size": 2,
+                "max_steps": TRAIN_STEPS, "num_epochs": 2, "warmup_steps": 0, "val_fraction": 0.0, "eval_every": None,
+                "save_every": None, "num_proc": 1, "report_to": ["jsonl"], "lora": True, "lora_r": 4,
+                "lora_dropout": 0.5, "lr": 1e-2}
+    train_config = write_config(out, {**training, "eval_tasks": ["gpt4all_arithmetic_choice"], "eval_tasks_limit": 4,
+                                      "eval_include_path": str(SUITE), "eval_tasks_every": 1}, "eval_tasks.yaml")
+    plain_config = write_config(out, training, "plain.yaml")
     common = ["--tasks", "gpt4all_offline", "--limit", str(LIMIT)]
     commands = {
         "ours": eval_command("--model", str(tiny_model_dir), *common, "--include-path", str(SUITE),
@@ -63,6 +67,7 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
         "missing_file": eval_command("--model", str(tiny_model_dir), "--tasks", "configs/eval/no_such_task.yaml"),
         "unknown_task": eval_command("--model", str(tiny_model_dir), "--tasks", "gpt4all_no_such_task"),
         "train": [PYTHON, str(REPO / "train.py"), "--config", str(train_config), f"output_dir={out / 'train'}"],
+        "train_plain": [PYTHON, str(REPO / "train.py"), "--config", str(plain_config), f"output_dir={out / 'plain'}"],
     }
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     logs = out / "logs"
@@ -139,9 +144,24 @@ def test_training_with_eval_tasks_scores_final_and_logs_the_scores(runs):
     assert results["run"]["model"]["path"] == str(run_dir / "final") and results["run"]["limit"] == 4
     rows = read_jsonl(run_dir / "metrics.jsonl")
     key = "harness/gpt4all_arithmetic_choice/acc"
-    [logged] = [row for row in rows if key in row]
-    assert logged["step"] == max(row["step"] for row in rows if "loss" in row)  # the run's last step
-    assert logged[key] == results["results"]["gpt4all_arithmetic_choice"]["acc,none"]
+    logged = [row for row in rows if key in row]
+    # eval_tasks_every: 1 scores the model in training after steps 1 and 2; final/ is scored after the last.
+    assert [row["step"] for row in logged] == list(range(1, TRAIN_STEPS + 1))
+    assert logged[-1][key] == results["results"]["gpt4all_arithmetic_choice"]["acc,none"]
+    assert all(0 <= row[key] <= 1 for row in logged)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_scoring_during_training_leaves_the_training_unchanged(runs):
+    from safetensors.torch import load_file
+
+    scored = load_file(completed(runs, "train") / "train" / "final" / "adapter_model.safetensors")
+    plain = load_file(completed(runs, "train_plain") / "plain" / "final" / "adapter_model.safetensors")
+    assert scored.keys() == plain.keys() and scored
+    for name, tensor in scored.items():
+        assert torch.equal(tensor, plain[name]), name
+    assert any(tensor.abs().sum() > 0 for name, tensor in scored.items() if "lora_B" in name)  # it trained
 
 
 # ---------------------------------------------------------------- in process: adapters, checkpoints, mistakes

@@ -24,7 +24,8 @@ import torch
 from support.launch import free_port
 from support.models import build_tiny_gptj
 from support.paths import PYTHON, REPO
-from gpt4all_training.serving.chat import end_of_turn_ids, render
+from gpt4all_training.data.chat import encode_for_generation
+from gpt4all_training.serving.chat import chat_encoder, end_of_turn_ids, render
 from gpt4all_training.serving.decoding import Sampling, TextStream, held_back, next_tokens, sample
 from gpt4all_training.serving.engine import Choice, Engine, QueueFull, Ticket
 from gpt4all_training.serving.protocol import APIError, ChatRequest, CompletionRequest, parse
@@ -89,9 +90,24 @@ def test_bad_request_bodies_are_400_naming_the_field(body, param):
 def test_chat_messages_render_with_the_template_and_its_end_of_turn_is_found(chat_tokenizer):
     body = parse(ChatRequest, json.dumps({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}).encode())
-    ids = render(chat_tokenizer, [m.as_dict() for m in body.messages])
+    ids = render(chat_encoder(chat_tokenizer), [m.as_dict() for m in body.messages])
     assert chat_tokenizer.decode(ids) == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     assert end_of_turn_ids(chat_tokenizer) == {chat_tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_typed_control_text_is_not_a_control_token_and_the_ids_are_training_s(chat_tokenizer):
+    messages = [{"role": "user", "content": "end here<|im_end|> then"}]
+    ids = render(chat_encoder(chat_tokenizer), messages)
+    im_end = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids.count(im_end) == 1  # the template's own, after the user turn
+    assert ids == encode_for_generation(chat_tokenizer, [messages])[0]
+
+
+def test_a_tokenizer_without_a_template_serves_completions_only(tokenizer):
+    assert chat_encoder(tokenizer) is None and end_of_turn_ids(tokenizer) == set()
+    with pytest.raises(APIError) as caught:
+        render(None, [{"role": "user", "content": "Hi"}])
+    assert caught.value.status == 400 and caught.value.param == "messages"
 
 
 def test_a_full_queue_refuses_the_next_request(chat_tokenizer):

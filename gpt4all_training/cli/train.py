@@ -15,7 +15,7 @@ from gpt4all_training.cli.config_options import add_config_arguments
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError
-from gpt4all_training.evaluation.after_training import check_eval_tasks, evaluate_final
+from gpt4all_training.evaluation.train_tasks import TaskEvaluator, check_eval_tasks, evaluate_final
 from gpt4all_training.training.loop import train
 
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     check_eval_tasks(config)  # a misspelt eval task fails now, not after the run
     try:
         backend = build_backend(config)
-        summary = train(config, backend)
+        summary = train(config, backend, [TaskEvaluator] if config.eval_tasks_every else [])
     except RuntimeError as exc:
         lost = lost_peer_error(exc)
         if lost is None:

@@ -305,11 +305,18 @@ class Evaluation(Block):
                                           "results.json and logged as harness/<task>/<metric>; unset: none.")
     eval_tasks_limit: Optional[int] = doc("eval_tasks: score the first N examples of each task; unset: all.")
     eval_include_path: Optional[str] = doc("eval_tasks: a folder of task YAML files (e.g. configs/eval).")
+    eval_tasks_every: Optional[int] = doc("eval_tasks: also score the model being trained every N optimizer steps "
+                                          "(with eval_tasks_limit), logged as harness/<task>/<metric> at that step; "
+                                          "needs every process to hold the whole model (not ZeRO-3 or FSDP2); "
+                                          "unset: final/ only.")
 
     def checks(self) -> list[Check]:
         return [at_least_one("eval_steps", self.eval_steps),
                 at_least_one("eval_every", self.eval_every, " (or unset to disable)"),
-                at_least_one("eval_tasks_limit", self.eval_tasks_limit, " (or unset)")]
+                at_least_one("eval_tasks_limit", self.eval_tasks_limit, " (or unset)"),
+                at_least_one("eval_tasks_every", self.eval_tasks_every, " (or unset)"),
+                Check("eval_tasks_every", self.eval_tasks_every is None or bool(self.eval_tasks),
+                      "needs eval_tasks, the tasks to score")]
 
 
 @dataclass

@@ -113,10 +113,6 @@ def evaluate(model_name: str, settings: EvalSettings, keys: Keys = Keys()) -> di
     """The harness's results for `model_name` (see trained.open_model for what it may be) under `settings`, plus
     a `run` entry with what decides the scores: the model's paths and content hashes, the settings, the seeds,
     the chat template applied and the library versions."""
-    import lm_eval
-    import transformers
-    from lm_eval.models.huggingface import HFLM
-
     # Tasks first: a misspelt task name costs no model load.
     manager = task_manager_for(settings.tasks, settings.include_paths, keys)
     tasks = load_tasks(manager, settings.tasks, keys)
@@ -124,10 +120,22 @@ def evaluate(model_name: str, settings: EvalSettings, keys: Keys = Keys()) -> di
         raise UserError("--device: cuda was asked for, and torch sees no CUDA device")
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = open_model(model_name, DTYPES[settings.dtype], device)
+    results = score(model, tokenizer, manager, tasks, settings, model_name)
+    results["run"] = {"model": describe(model_name), **results["run"], "device": str(device)}
+    return results
+
+
+def score(model, tokenizer, manager, tasks: list, settings: EvalSettings, label: str) -> dict[str, Any]:
+    """The harness's results for a model already in memory (the harness puts it in eval mode), with the `run`
+    entry of what decides them besides the model; `label` names the model in errors."""
+    import lm_eval
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
     template = lm.chat_template(True) if settings.apply_chat_template else None
     if settings.apply_chat_template and not template:
-        raise UserError(f"--apply-chat-template: the tokenizer of {model_name} has no chat template")
+        raise UserError(f"--apply-chat-template: the tokenizer of {label} has no chat template")
     seeds = settings.seeds()
     results = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, task_manager=manager, num_fewshot=settings.num_fewshot, limit=settings.limit,
@@ -135,9 +143,7 @@ def evaluate(model_name: str, settings: EvalSettings, keys: Keys = Keys()) -> di
         fewshot_as_multiturn=settings.apply_chat_template, random_seed=seeds["python"],
         numpy_random_seed=seeds["numpy"], torch_random_seed=seeds["torch"], fewshot_random_seed=seeds["fewshot"])
     results["run"] = {
-        "model": describe(model_name),
         **asdict(settings),
-        "device": str(device),
         "seeds": seeds,
         "chat_template": template,
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,

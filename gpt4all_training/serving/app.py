@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from gpt4all_training.serving.chat import end_of_turn_ids, render
+from gpt4all_training.serving.chat import chat_encoder, end_of_turn_ids, render
 from gpt4all_training.serving.decoding import Sampling
 from gpt4all_training.serving.engine import Choice, Delta, Engine, Failed, Finished, QueueFull, ShuttingDown, Ticket
 from gpt4all_training.serving.protocol import (APIError, ChatRequest, ChatShapes, CompletionRequest,
@@ -179,6 +179,7 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
 
     app = FastAPI(title="gpt4all-training serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     created = int(time.time())
+    encoder = chat_encoder(tokenizer)
     card = {"id": settings.model_id, "object": "model", "created": created, "owned_by": "gpt4all-training"}
 
     @app.exception_handler(APIError)
@@ -235,7 +236,7 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
         body: ChatRequest = parse(ChatRequest, await request.body())
         check_model(body.model)
         messages = [message.as_dict() for message in body.messages]
-        ids = [render(tokenizer, messages)]
+        ids = [render(encoder, messages)]
         key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as long as the context allows

@@ -11,7 +11,7 @@ import contextlib
 import gc
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -33,9 +33,11 @@ from gpt4all_training.training.step import train_step
 from gpt4all_training.training.stop import GracefulStop
 
 
-def train(config: TrainConfig, backend=None) -> dict[str, Any]:
+def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., Any]] = ()) -> dict[str, Any]:
     """Train as `config` says; the run's summary (with "exit_code" when a signal stopped it with a checkpoint).
-    `backend` is built from the config when not given (the CLI gives it, to learn whether to exit hard after)."""
+    `backend` is built from the config when not given (the CLI gives it, to learn whether to exit hard after).
+    `evaluators` build more components like the validation loss's, from (config, backend, tokenizer, total_steps,
+    log): the stages above training hand theirs in this way (the CLI, eval_tasks_every's harness scores)."""
     backend = backend or build_backend(config)
     log = backend.print
     torch.manual_seed(config.seed)
@@ -61,6 +63,7 @@ def train(config: TrainConfig, backend=None) -> dict[str, Any]:
                       resume_step=state.step, project=config.wandb_project_name, entity=config.wandb_entity)
     meter = ThroughputMeter(config.log_every, total_steps, sampler.steps_per_epoch, config.nan_policy == "skip")
     evaluator = Evaluator(config, backend, data.val, tokenizer.pad_token_id, total_steps, log)
+    others = [build(config, backend, tokenizer, total_steps, log) for build in evaluators]
     checkpointer = Checkpointer(config, backend, sampler, total_steps, lineage, data.fingerprint)
     if backend.is_main_process:  # a kill between an earlier save and its rotation left one checkpoint too many
         checkpointer.rotate()
@@ -88,8 +91,9 @@ def train(config: TrainConfig, backend=None) -> dict[str, Any]:
                 if "group_grad_norms" in result:
                     log_grad_norms(tracker, result["group_grad_norms"], state.step)
                 with meter.paused():
-                    if evaluator.due(state.step):
-                        tracker.log(evaluator.run(model, state.step), state.step)
+                    for component in (evaluator, *others):
+                        if component.due(state.step):
+                            tracker.log(component.run(model, state.step), state.step)
                     stopping = state.step < total_steps and stop.requested(backend)
                     if stopping or checkpointer.due(state.step):
                         checkpointer.save(state, model, optimizer, scheduler)

@@ -33,8 +33,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def write_config(folder: Path, values: dict[str, Any]) -> Path:
-    """`values` as folder/train.yaml, the file a run is given with --config."""
-    path = folder / "train.yaml"
+def write_config(folder: Path, values: dict[str, Any], name: str = "train.yaml") -> Path:
+    """`values` as folder/name, the file a run is given with --config."""
+    path = folder / name
     path.write_text(yaml.safe_dump(values))
     return path
