@@ -8,10 +8,12 @@
    and the offline lm-evaluation-harness suite (configs/eval) through `gpt4all-training eval`;
 4. fine-tune it with LoRA in fp32 on every assistant turn (demo/config.yaml) and merge the adapter;
 5. measure the fine-tuned model the same way;
-6. score the training data with inference.py before and after fine-tuning and draw the map of it;
-7. curate: drop near-duplicates (MiniLM embeddings) and the examples whose loss after training is highest, retrain
+6. preference-tune the fine-tuned model (objective dpo, demo/dpo.yaml: a new LoRA adapter, the fine-tuned model as
+   its reference) on generated pairs, each task's correct answer chosen over a wrong one, and measure it again;
+7. score the training data with inference.py after fine-tuning and draw the map of it (coloured by loss);
+8. curate: drop near-duplicates (MiniLM embeddings) and the examples whose loss after training is highest, retrain
    on what is left, and measure again;
-8. export the fine-tuned model as a GGUF file (chat template inside) and an Ollama Modelfile.
+9. export the fine-tuned model as a GGUF file (chat template inside) and an Ollama Modelfile.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import shutil
 import time
 from pathlib import Path
 
-from demo.tasks import exact_match, write_conversation_splits
+from demo.tasks import exact_match, write_conversation_splits, write_preference_pairs
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EVAL_TASKS = ("gpt4all_arithmetic_choice", "gpt4all_last_word", "gpt4all_exact_match")
-EVAL_LIMIT = 20  # examples per task: enough to see the change, kept small for the 15-minute budget
+EVAL_LIMIT = 12  # examples per task: enough to see the change, kept small for the 15-minute budget
 
 
 def smollm2_gguf() -> Path:
@@ -60,6 +62,13 @@ def turn_accuracy(model_name: str, tokenizer, test: list[dict]) -> dict[str, obj
             "second_answers": second}
 
 
+def planted_wrong_answers(train_raw: Path, n_swapped: int) -> list[str]:
+    """The conversations given a wrong last answer (the last `n_swapped` lines of the raw training file, see
+    demo.tasks.write_conversation_splits), as JSON of their messages."""
+    lines = train_raw.read_text().splitlines()
+    return [json.dumps(json.loads(line)["messages"]) for line in lines[len(lines) - n_swapped:]]
+
+
 def harness_scores(model_name: str, out: Path) -> dict:
     """The offline suite through lm-evaluation-harness, as `gpt4all-training eval` runs it."""
     from gpt4all_training.evaluation.harness import EvalSettings, evaluate
@@ -75,10 +84,11 @@ def harness_scores(model_name: str, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo_out", help="where everything is written (emptied first)")
-    parser.add_argument("--train-examples", type=int, default=240, help="clean training conversations")
+    parser.add_argument("--train-examples", type=int, default=160, help="clean training conversations")
     parser.add_argument("--test-examples", type=int, default=40)
     parser.add_argument("--copies", type=int, default=16, help="training conversations planted twice")
     parser.add_argument("--swapped", type=int, default=16, help="training conversations given a wrong last answer")
+    parser.add_argument("--dpo-pairs", type=int, default=48, help="preference pairs of the dpo stage")
     args = parser.parse_args()
 
     import torch
@@ -136,41 +146,61 @@ def main() -> None:
         print(f"{record['messages'][3]['content'][:58]:58} | {record['messages'][4]['content'][:14]:14} | "
               f"{old.strip()[:16]!s:16} | {new.strip()[:16]}")
 
-    step("6. inference over the training data, before and after, and the map", started)
-    runs = {}
-    for name, model_name in (("before", str(base)), ("after", str(merged))):
-        inference = InferenceConfig(model_name=model_name, tokenizer_name=str(tokenizer_dir),
-                                    dataset_path=str(out / "clean"), seed=config.seed, val_fraction=config.val_fraction,
-                                    max_length=config.max_length, prompt_template="chat", batch_size=16,
-                                    output_dir=str(out / "inference" / name))
-        run_inference(inference)
-        runs[name] = out / "inference" / name
-    map_result = build_map(runs["after"], out / "map.html", compare=runs["before"])
+    step("6. preference tuning (dpo) of the fine-tuned model: correct answers chosen over wrong ones", started)
+    held_out = {m["content"] for r in test for m in r["messages"] if m["role"] == "user"}
+    pairs_raw = write_preference_pairs(out, args.dpo_pairs, seed=1, held_out=held_out)
+    print_report(clean([str(pairs_raw)], out / "pairs"))
+    dpo_config = load_config("demo/dpo.yaml", [f"model_name={merged}", f"dataset_path={out / 'pairs'}",
+                                               f"output_dir={out / 'dpo'}"])
+    dpo_summary = train(dpo_config)
+    preferred = turn_accuracy(str(out / "dpo" / "final" / "merged"), tokenizer, test)
+    print(f"held-out pairs ranked right (reward accuracy): {dpo_summary['val_rewards/accuracies']:.1%} of "
+          f"{dpo_summary['val_pairs']}; exact match, second turn: {after['second_turn']:.1%} before dpo, "
+          f"{preferred['second_turn']:.1%} after")
 
-    step("7. curate (near-duplicates, highest losses), retrain on the curated set", started)
-    report = curate(runs["after"], out / "curated", CurateOptions(near_duplicates=0.99, loss_above=0.9))
+    step("7. inference over the training data after fine-tuning, and the map", started)
+    # One pass, of the fine-tuned model: its per-example losses are what curate reads. (`build_map --compare` would
+    # colour the change from a second pass of the base model, which costs the time of a training run here.)
+    scored = out / "inference" / "after"
+    run_inference(InferenceConfig(model_name=str(merged), tokenizer_name=str(tokenizer_dir),
+                                  dataset_path=str(out / "clean"), seed=config.seed, val_fraction=config.val_fraction,
+                                  max_length=config.max_length, prompt_template="chat", batch_size=16,
+                                  output_dir=str(scored)))
+    map_result = build_map(scored, out / "map.html")
+
+    step("8. curate (near-duplicates, highest losses), retrain on the curated set", started)
+    report = curate(scored, out / "curated", CurateOptions(near_duplicates=0.99, loss_above=0.9))
     print(f"curate: read {report['read']}, kept {report['kept']}, dropped {report['dropped']}")
+    planted = planted_wrong_answers(train_raw, args.swapped)
+    kept = {json.dumps(json.loads(line)["messages"]) for line in
+            (out / "curated" / "curated_clean.jsonl").read_text().splitlines()}
+    removed = sum(messages not in kept for messages in planted)
+    print(f"planted wrong answers removed: {removed} of {len(planted)}")
     curated_config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'curated'}",
                                                       f"output_dir={out / 'run_curated'}"])
     curated_summary = train(curated_config)
     curated = turn_accuracy(str(out / "run_curated" / "final" / "merged"), tokenizer, test)
 
-    step("8. export as GGUF (Q8_0) for GPT4All, llama.cpp and Ollama", started)
+    step("9. export as GGUF (Q8_0) for GPT4All, llama.cpp and Ollama", started)
     files = export(str(merged), str(out / "smollm2-135m-demo"), "gguf", "q8_0")
     gguf = next(f for f in files if f.suffix == ".gguf")
 
     step("done", started)
-    rows = (("base model", before), ("fine-tuned", after), ("fine-tuned on the curated set", curated))
+    rows = (("base model", before), ("fine-tuned", after), ("fine-tuned, then dpo", preferred),
+            ("fine-tuned on the curated set", curated))
     print(f"exact match on {len(test)} held-out conversations:")
     for name, result in rows:
         print(f"  {name:30} first turn {result['first_turn']:6.1%}  second turn {result['second_turn']:6.1%}")
-    print("second turn by family (base -> fine-tuned -> curated):")
+    print("second turn by family (base -> fine-tuned -> dpo -> curated):")
     for family in after["second_turn_by_family"]:
         print(f"  {family:16} " + " -> ".join(f"{r['second_turn_by_family'][family]:6.1%}" for _, r in rows))
     print(f"validation loss: fine-tuned {summary.get('val_loss', float('nan')):.4f}, curated "
           f"{curated_summary.get('val_loss', float('nan')):.4f} (each on its own held-out split)")
+    print(f"dpo: {dpo_summary['steps']} steps, held-out reward accuracy {dpo_summary['val_rewards/accuracies']:.1%}, "
+          f"margin {dpo_summary['val_rewards/margins']:.3f}; its loss curves and rewards: "
+          f"{out / 'dpo' / 'report.html'}")
     print(f"loss curves: {out / 'run' / 'report.html'}")
-    print(f"map of the training data (loss change before -> after): {map_result.html}")
+    print(f"map of the training data (loss after fine-tuning): {map_result.html}")
     print(f"curation report: {out / 'curated' / 'curate_report.json'}")
     print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB), Modelfile beside it")
     strip = ("second_answers",)
@@ -178,8 +208,11 @@ def main() -> None:
         "test_conversations": len(test),
         "accuracy": {name: {k: v for k, v in r.items() if k not in strip} for name, r in rows},
         "eval_before": eval_before.get("results"), "eval_after": eval_after.get("results"),
-        "curate": {"read": report["read"], "kept": report["kept"], "dropped": report["dropped"]},
+        "curate": {"read": report["read"], "kept": report["kept"], "dropped": report["dropped"],
+                   "planted_wrong_answers_removed": removed, "planted_wrong_answers": len(planted)},
         "val_loss": summary.get("val_loss"), "curated_val_loss": curated_summary.get("val_loss"),
+        "dpo": {key: dpo_summary.get(key) for key in ("steps", "val_loss", "val_rewards/accuracies",
+                                                      "val_rewards/margins", "val_pairs")},
         "seconds": round(time.perf_counter() - started, 1), "gguf": str(gguf), "map": str(map_result.html)},
         indent=2, default=str))
 

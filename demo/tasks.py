@@ -1,7 +1,9 @@
 """A seeded generator of instruction data whose answers can be checked exactly.
 
 Four task families: arithmetic, unit conversion, string reversal and sorting a short list, asked two at a time in
-conversations written as OpenAI `messages` JSONL, so the demo runs them through clean.py like user data.
+conversations written as OpenAI `messages` JSONL, so the demo runs them through clean.py like user data; and, for
+preference tuning, one task at a time as a prompt with its correct answer chosen over a wrong one of the kind that
+family invites (TRL's message shape).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def sort_numbers(rng: random.Random) -> tuple[str, str]:
 
 TASKS = {"arithmetic": arithmetic, "unit_conversion": unit_conversion, "reverse_string": reverse_string,
          "sort_numbers": sort_numbers}
+
+
+# A wrong answer to a task, from its right one: the mistakes each family invites.
+WRONG = {"arithmetic": lambda answer, rng: str(int(answer) + rng.choice((-10, -1, 1, 10))),
+         "unit_conversion": lambda answer, rng: str(int(answer) * 10),
+         "reverse_string": lambda answer, rng: answer[::-1],  # the word as it was given
+         "sort_numbers": lambda answer, rng: ", ".join(reversed(answer.split(", ")))}
 
 
 def exact_match(prediction: str, answer: str) -> bool:
@@ -105,3 +114,23 @@ def write_conversation_splits(out_dir: Path, n_train: int, n_test: int, seed: in
     for path, rows in zip(paths, (train, test)):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return paths
+
+
+def write_preference_pairs(out_dir: Path, n_pairs: int, seed: int, held_out: set[str]) -> Path:
+    """raw/pairs.jsonl: `n_pairs` single tasks, the families in turn, each with its correct answer chosen and a wrong
+    one rejected; no prompt is one of `held_out` (the test conversations' questions) or repeats."""
+    rng = random.Random(seed)
+    names, rows, seen = list(TASKS), [], set(held_out)
+    while len(rows) < n_pairs:
+        family = names[len(rows) % len(names)]
+        prompt, answer = TASKS[family](rng)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append({"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+                     "chosen": [{"role": "assistant", "content": answer}],
+                     "rejected": [{"role": "assistant", "content": WRONG[family](answer, rng)}], "source": family})
+    path = out_dir / "raw" / "pairs.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path

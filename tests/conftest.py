@@ -5,6 +5,7 @@ Helpers that are not fixtures live in tests/support/."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -81,9 +82,14 @@ def smollm2_tokenizer():
 
     saved = CACHE / f"smollm2-tokenizer-{transformers.__version__}"
     if not saved.is_dir():
-        partial = saved.with_name(saved.name + ".partial")  # renamed when whole: an interrupted save is redone
+        # Renamed when whole, so an interrupted save is redone; one name per process, so that test workers saving
+        # at the same time do not write into each other's folder (the first rename wins).
+        partial = saved.with_name(f"{saved.name}.partial-{os.getpid()}")
         AutoTokenizer.from_pretrained(str(smollm2_folder()), gguf_file=SMOLLM2_GGUF).save_pretrained(partial)
-        partial.rename(saved)
+        try:
+            partial.rename(saved)
+        except OSError:
+            shutil.rmtree(partial)
     return AutoTokenizer.from_pretrained(str(saved))
 
 

@@ -1,5 +1,5 @@
-"""`gpt4all-training clean`: normalize raw JSONL into prompt/response/source records and messages/source
-conversations, with a report per file."""
+"""`gpt4all-training clean`: normalize raw JSONL into prompt/response/source records, messages/source conversations
+and prompt/chosen/rejected/source preference pairs, with a report per file."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from gpt4all_training.errors import UserError
 
 # What clean.py reads, for the error when it keeps nothing (data/clean.py's docstring has the details).
 FORMATS = ("gpt4all records (prompt, response), Dolly (instruction, context, response), OpenAI messages, ShareGPT "
-           "conversations and OpenAssistant message trees (message_tree_id, or a prompt with replies)")
+           "conversations, OpenAssistant message trees (message_tree_id, or a prompt with replies) and preference "
+           "pairs (chosen, rejected: TRL, UltraFeedback-binarized, HH-RLHF)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,16 +23,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", required=True, help="where <name>_clean.jsonl and clean_report.json go")
     parser.add_argument("--drop-ai-disclaimers", action="store_true", help="drop responses that say they are an AI")
     parser.add_argument("--drop-refusals", action="store_true", help="drop apology and refusal answers")
-    parser.add_argument("--min-response-chars", type=int, default=0, help="drop responses shorter than this")
+    parser.add_argument("--min-response-chars", type=int, default=0,
+                        help="drop responses shorter than this (of a preference pair: its chosen answer)")
     parser.add_argument("--oasst", choices=OASST_MODES, default="paths",
                         help="OpenAssistant trees as conversations: every thread, each reply trained once (paths, the "
                              "default), the best-ranked thread only (best); or prompt/response pairs with the thread "
                              "flattened into the prompt (pairs)")
+    parser.add_argument("--oasst-preferences", action="store_true",
+                        help="OpenAssistant trees as preference pairs (objective dpo): under each prompt, its "
+                             "best-ranked reply against each lower-ranked one, the thread above as the prompt")
 
 
 def run(args: argparse.Namespace) -> int:
     filters = Filters(args.drop_ai_disclaimers, args.drop_refusals, args.min_response_chars)
-    report = clean(args.inputs, args.output_dir, filters, args.oasst)
+    report = clean(args.inputs, args.output_dir, filters, args.oasst, args.oasst_preferences)
     print_report(report)
     print(f"report: {Path(args.output_dir) / 'clean_report.json'}")
     if not report["total"].get("kept"):

@@ -197,9 +197,10 @@ class LoRA(Block):
 @dataclass
 class Objective(Block):
     """objective: what the loss trains, and where the starting weights come from."""
-    objective: Literal["sft", "causal_lm"] = doc(
+    objective: Literal["sft", "causal_lm", "dpo"] = doc(
         "'sft': prompt/response data, loss on the response. 'causal_lm': raw text joined with EOS into rows of "
-        "max_length, loss on every token (pretraining, as CodeParrot).", "sft", allowed="'sft' or 'causal_lm'")
+        "max_length, loss on every token (pretraining, as CodeParrot). 'dpo': prompt/chosen/rejected pairs, "
+        "preference tuning (see the preference keys).", "sft", allowed="'sft', 'causal_lm' or 'dpo'")
     init: Literal["pretrained", "from_config"] = doc(
         "'pretrained': load model_name's weights. 'from_config' (causal_lm only): random weights from "
         "model_config, vocabulary sized to the tokenizer.", "pretrained", allowed="'pretrained' or 'from_config'")
@@ -220,9 +221,36 @@ class Objective(Block):
 
 
 @dataclass
+class Preference(Block):
+    """preference tuning (objective dpo): the loss over chosen/rejected pairs, and the reference it is measured from."""
+    beta: float = doc("How far the trained model may move from the reference: the reward is beta x the log-probability "
+                      "ratio (TRL's beta). sigmoid and ipo: 0.1 to 0.5 is usual; simpo's paper uses 2.0 to 2.5.", 0.1)
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = doc(
+        "'sigmoid': DPO (Rafailov et al. 2023). 'ipo': IPO, the squared loss on per-token log-ratios (Azar et al. "
+        "2023, as TRL). 'simpo': SimPO, reference-free, on per-token log-probabilities with a target margin "
+        "simpo_gamma (Meng et al. 2024).", "sigmoid", allowed="'sigmoid', 'ipo' or 'simpo'")
+    label_smoothing: float = doc("sigmoid, simpo: the share of pairs assumed to be labelled the wrong way round "
+                                 "(conservative DPO); 0: off.", 0.0)
+    simpo_gamma: float = doc("simpo: the target reward margin between the chosen and the rejected answer.", 0.5)
+    reference: Optional[Literal["precomputed", "frozen_copy"]] = doc(
+        "Full fine-tuning with sigmoid or ipo: where the reference log-probabilities come from. Unset or "
+        "'precomputed': one pass of the initial weights over the pairs before step 1, cached with the tokenized "
+        "data; training holds no reference model. 'frozen_copy': a frozen copy of the initial weights scores every "
+        "micro-batch (one more fp32 copy of the model per process; not under ZeRO-3 or FSDP2). With LoRA the "
+        "reference is the base model with the adapter disabled, and simpo has none: leave it unset.",
+        allowed="'precomputed', 'frozen_copy' or unset")
+
+    def checks(self) -> list[Check]:
+        return [
+            Check("beta", self.beta > 0, "must be > 0"),
+            Check("label_smoothing", 0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)"),
+        ]
+
+
+@dataclass
 class Batching(Block):
     """batches: how examples make micro-batches and optimizer steps."""
-    batch_size: int = doc("Micro-batch size per process.", 8)
+    batch_size: int = doc("Micro-batch size per process (dpo: pairs, each two sequences).", 8)
     gradient_accumulation_steps: int = doc("Micro-batches per optimizer step.", 1)
     packing: bool = doc("Pack each micro-batch's examples into rows of up to max_length (none split; attention and "
                         "positions restart per example). The steps train on the same examples as without.", False)

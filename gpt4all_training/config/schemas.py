@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from gpt4all_training.config.blocks import (Batching, Check, Checkpoints, DataSource, Evaluation, Examples, Faults,
-                                            LoRA, Logging, ModelSource, Objective, Optimizer, PromptFormat,
-                                            Publishing, Schedule, TextField, TrainingCompute, at_least_one)
+                                            LoRA, Logging, ModelSource, Objective, Optimizer, Preference,
+                                            PromptFormat, Publishing, Schedule, TextField, TrainingCompute,
+                                            at_least_one)
 from gpt4all_training.config.fields import doc
 
 # The tokenizer's end-of-text token: the first special token by default.
@@ -27,8 +28,9 @@ HELDOUT_STRIDE = 10
 
 @dataclass
 class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimizer, Schedule, Batching, PromptFormat,
-                  Examples, DataSource, TextField, Objective, LoRA, TrainingCompute, ModelSource):
-    """training: a fine-tuning or pretraining run (`train`; `data`, `plan` and `check` read the same config)."""
+                  Examples, DataSource, TextField, Preference, Objective, LoRA, TrainingCompute, ModelSource):
+    """training: a fine-tuning, preference-tuning or pretraining run (`train`; `data`, `plan` and `check` read the
+    same config)."""
 
     def required_keys(self) -> tuple[str, ...]:
         # init from_config builds the model from model_config: there is no base model to name.
@@ -36,17 +38,41 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
 
     def checks(self) -> list[Check]:
         scratch = self.init == "from_config"
-        sft = self.objective == "sft"
+        rows = self.objective == "causal_lm"
         return [
             Check("init", not scratch or not self.lora, "from_config trains every weight; set lora: false"),
             Check("model_config", not scratch or bool(self.model_config or self.model_name),
                   "init from_config needs model_config (a folder, a model type such as gptj, or a Hub id)"),
             Check("tokenizer_name", not scratch or bool(self.tokenizer_name or self.model_name),
                   "init from_config needs tokenizer_name (e.g. a folder written by `gpt4all-training tokenizer`)"),
-            Check("packing", sft or not self.packing, "causal_lm rows are already max_length long; set false"),
-            Check("group_by_length", sft or not self.group_by_length, "causal_lm rows all have one length"),
-            Check("max_steps", sft or not self.streaming or self.max_steps is not None,
+            Check("packing", not rows or not self.packing, "causal_lm rows are already max_length long; set false"),
+            Check("packing", self.objective != "dpo" or not self.packing,
+                  "dpo scores each answer as a sequence of its own; set false"),
+            Check("group_by_length", not rows or not self.group_by_length, "causal_lm rows all have one length"),
+            Check("max_steps", not rows or not self.streaming or self.max_steps is not None,
                   "streaming causal_lm needs max_steps (a stream's length is unknown until it ends)"),
+            *self.preference_checks(),
+        ]
+
+    def preference_checks(self) -> list[Check]:
+        """The preference keys that a setting leaves without effect are refused rather than ignored."""
+        dpo = self.objective == "dpo"
+        defaults = Preference()
+        unread = "only objective dpo reads it; remove it or set objective: dpo"
+        return [
+            Check("beta", dpo or self.beta == defaults.beta, unread),
+            Check("loss_type", dpo or self.loss_type == defaults.loss_type, unread),
+            Check("label_smoothing", dpo or self.label_smoothing == defaults.label_smoothing, unread),
+            Check("label_smoothing", self.loss_type != "ipo" or self.label_smoothing == 0,
+                  "ipo defines no label smoothing; set 0"),
+            Check("simpo_gamma", self.simpo_gamma == defaults.simpo_gamma or dpo and self.loss_type == "simpo",
+                  "only loss_type simpo reads it; remove it"),
+            Check("reference", self.reference is None or dpo, unread),
+            Check("reference", self.reference is None or self.loss_type != "simpo",
+                  "simpo is reference-free; leave reference unset"),
+            Check("reference", self.reference is None or not self.lora,
+                  "with LoRA the reference is the base model with the adapter disabled; leave reference unset"),
+            Check("z_loss", not dpo or self.z_loss == 0, "dpo has no next-token loss to add it to; set 0"),
         ]
 
 

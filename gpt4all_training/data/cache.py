@@ -6,9 +6,9 @@ An entry's key is the SHA-256 of everything that decides the tokens:
   Hub dataset is identified by the data its revision holds);
 - the tokenizer: its serialized vocabulary, merges, normalizer, pre-tokenizer, post-processor and added tokens, its
   special tokens, its chat template, and how it encodes a probe;
-- the config's data settings: every field of the examples and prompt blocks (max_length, prompt_template, the split's
-  val_fraction and seed, train_turns, and whatever masking option joins them), but num_proc, which only says how
-  many processes tokenize;
+- the config's data settings: the objective (sft examples or dpo pairs), every field of the examples and prompt
+  blocks (max_length, prompt_template, the split's val_fraction and seed, train_turns, and whatever masking option
+  joins them), but num_proc, which only says how many processes tokenize;
 - the code: the source of the data package, and the versions of transformers, tokenizers and datasets.
 Any change gives another key: a miss, and a new entry.
 
@@ -17,6 +17,10 @@ statistics (`stats.json`) and, written last, a `COMPLETE` marker that lists ever
 `<key>.tmp-<pid>/` and renamed, so a crash never leaves an entry that looks whole; an entry without its marker or
 with a file that no longer matches it is reported, deleted and rebuilt. Each start prints one line with
 `cache hit` or `cache miss`.
+
+An entry may also hold arrays computed from its splits by a model (dpo's precomputed reference log-probabilities),
+each set in a folder of its own inside the entry, named by what else decides them, written and checked the same way
+(`write_arrays`, `load_arrays`). They go when their entry goes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
+
+import numpy as np
 
 from gpt4all_training.config.blocks import Examples, PromptFormat
 from gpt4all_training.data.sft import DataStats
@@ -60,7 +66,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def data_settings(config) -> dict[str, Any]:
     """The config's fields that decide the tokens (see the module docstring)."""
-    fields = [f.name for block in (Examples, PromptFormat) for f in dataclasses.fields(block)]
+    fields = ["objective", *(f.name for block in (Examples, PromptFormat) for f in dataclasses.fields(block))]
     return {name: getattr(config, name) for name in fields if name not in NOT_DECIDING}
 
 
@@ -80,6 +86,11 @@ def cache_key(config, tokenizer, records_digest: str) -> str:
     parts = {"records": records_digest, "tokenizer": tokenizer_fingerprint(tokenizer),
              "settings": data_settings(config), "code": code_version()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def cache_entry(config, tokenizer, records_digest: str) -> Path:
+    """The folder of the entry these inputs would have."""
+    return cache_root(config) / cache_key(config, tokenizer, records_digest)
 
 
 def cache_root(config) -> Path:
@@ -116,27 +127,50 @@ def load_entry(entry: Path):
 def write_entry(entry: Path, splits, stats) -> None:
     """Write the entry beside its final place and rename it there; another process that wrote the same entry first
     wins (the contents are equal)."""
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    def write(tmp: Path) -> None:
         for name, split in zip(SPLITS, splits):
             # An empty split (val_fraction: 0) would be saved as no shard at all, which load_from_disk cannot read.
             split.save_to_disk(str(tmp / name), num_shards=None if len(split) else 1)
         (tmp / "stats.json").write_text(json.dumps({name: dataclasses.asdict(s) for name, s in zip(SPLITS, stats)}),
                                         encoding="utf-8")
+
+    write_complete(entry, write)
+
+
+def write_complete(folder: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` into a folder beside `folder`, then the COMPLETE marker listing every file's SHA-256, then the
+    rename to `folder`."""
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        write(tmp)
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / MARKER).write_text(json.dumps(files, indent=1), encoding="utf-8")
-        os.replace(tmp, entry)
+        os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_arrays(folder: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Arrays as folder/<name>.npy, written as an entry is."""
+    def write(tmp: Path) -> None:
+        for name, array in arrays.items():
+            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
+
+    write_complete(folder, write)
+
+
+def load_arrays(folder: Path) -> dict[str, np.ndarray]:
+    """What write_arrays wrote to `folder` (check entry_problem first)."""
+    return {path.stem: np.load(path, allow_pickle=False) for path in sorted(folder.glob("*.npy"))}
 
 
 def cached_splits(config, tokenizer, records_digest: str, build: Callable[[], tuple[tuple, tuple]],
                   log: Callable[[str], Any]) -> tuple[tuple, tuple]:
     """((train, val), (train_stats, val_stats)): from the cache entry of these inputs, or `build()` and saved as one.
     A cache that cannot be written costs the next start a tokenization, never this run."""
-    entry = cache_root(config) / cache_key(config, tokenizer, records_digest)
+    entry = cache_entry(config, tokenizer, records_digest)
     if entry.is_dir():
         problem = entry_problem(entry)
         if problem is None:

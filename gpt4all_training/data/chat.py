@@ -153,18 +153,20 @@ class ChatEncoder:
         return results
 
     def examples(self, conversations: list[list[dict[str, Any]]], trained_flags: list[list[bool]],
-                 max_length: int) -> list[ConversationExample | str]:
+                 max_length: int, drop_first: list[int] | None = None) -> list[ConversationExample | str]:
         """Labelled examples of at most max_length tokens, or drop reasons. Over-long conversations lose rounds from
-        the start (one encoding per try: long conversations are few) until they fit or one round is left."""
+        the start (one encoding per try: long conversations are few) until they fit or one round is left;
+        `drop_first` gives, per conversation, how many rounds it loses before the first try."""
         results: list[ConversationExample | str] = []
-        labelled_all = self.turn_spans(conversations, trained_flags)
-        for messages, flags, labelled in zip(conversations, trained_flags, labelled_all):
-            dropped = 0
+        drop_first = drop_first or [0] * len(conversations)
+        first = [without_rounds(m, f, d) for m, f, d in zip(conversations, trained_flags, drop_first)]
+        labelled_all = self.turn_spans([m for m, _ in first], [f for _, f in first])
+        for messages, flags, labelled, dropped in zip(conversations, trained_flags, labelled_all, drop_first):
             starts = rounds_start(messages)
             while not isinstance(labelled, str) and len(labelled[0]) > max_length and dropped + 1 < len(starts):
                 dropped += 1
-                keep = list(range(starts[0])) + list(range(starts[dropped], len(messages)))
-                [labelled] = self.turn_spans([[messages[i] for i in keep]], [[flags[i] for i in keep]])
+                trimmed, trimmed_flags = without_rounds(messages, flags, dropped)
+                [labelled] = self.turn_spans([trimmed], [trimmed_flags])
             if isinstance(labelled, str):
                 results.append(labelled)
                 continue
@@ -176,6 +178,16 @@ class ChatEncoder:
             results.append(ConversationExample(ids[:max_length], labels[:max_length], dropped,
                                                any(end > max_length for _, end in spans)))
         return results
+
+
+def without_rounds(messages: list[dict[str, Any]], flags: list[bool], dropped: int
+                   ) -> tuple[list[dict[str, Any]], list[bool]]:
+    """The conversation and its trained flags less the first `dropped` rounds (the system message kept)."""
+    if not dropped:
+        return messages, flags
+    starts = rounds_start(messages)
+    keep = list(range(starts[0])) + list(range(starts[dropped], len(messages)))
+    return [messages[i] for i in keep], [flags[i] for i in keep]
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -1,11 +1,14 @@
-"""Normalise raw JSONL into `prompt`/`response`/`source` records and `messages`/`source` conversations, and count
-every record dropped with its reason.
+"""Normalise raw JSONL into `prompt`/`response`/`source` records, `messages`/`source` conversations and
+`prompt`/`chosen`/`rejected`/`source` preference pairs, and count every record dropped with its reason.
 
 Single-turn shapes are recognised by their fields: gpt4all (`prompt`, `response`, `source`) and Dolly (`instruction`,
 `context`, `response`, `category`). Conversations (data/conversations.py): OpenAI `messages`, ShareGPT
 `conversations`, and OpenAssistant message trees (one tree per line) as whole threads (`--oasst paths`, the default,
-or `best`), or as every prompter->assistant pair with the thread flattened into the prompt (`--oasst pairs`). Each
-input line becomes kept records or dropped ones; nothing vanishes: `kept + dropped == read` for every file.
+or `best`), or as every prompter->assistant pair with the thread flattened into the prompt (`--oasst pairs`).
+Preference pairs (data/preferences.py): any record with `chosen`/`rejected` answers (TRL, UltraFeedback-binarized,
+HH-RLHF), and OpenAssistant trees as the best-ranked reply against each lower-ranked sibling
+(`--oasst-preferences`). Each input line becomes kept records or dropped ones; nothing vanishes: `kept + dropped ==
+read` for every file.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from gpt4all_training.data.conversations import (OASST_THREAD_MODES, encodable, oasst_threads, openai_messages,
-                                                 sharegpt_messages, trained)
+from gpt4all_training.data.conversations import (OASST_THREAD_MODES, encodable, normalize_whitespace, oasst_threads,
+                                                 openai_messages, sharegpt_messages, trained)
+from gpt4all_training.data.preferences import (PAIR_FIELDS, answer_text, is_preference, normalized,
+                                               oasst_preferences, preference_record)
 from gpt4all_training.errors import UserError
 
 AI_DISCLAIMER = re.compile(r"\bas an ai\b|\bai language model\b|\bi am an ai\b|\bi'm an ai\b", re.IGNORECASE)
@@ -29,6 +34,7 @@ REFUSAL = re.compile(
     re.IGNORECASE,
 )
 OASST_MODES = (*OASST_THREAD_MODES, "pairs")
+OASST_PREFERENCES = "preferences"  # how clean reads trees under --oasst-preferences
 
 
 @dataclass
@@ -131,9 +137,13 @@ def _conversation_record(parsed: list[dict[str, Any]] | str, source: str) -> dic
     return Drop(parsed) if isinstance(parsed, str) else {"messages": parsed, "source": source}
 
 
+def _kept_or_dropped(parsed: dict[str, Any] | str) -> dict[str, Any] | Drop:
+    return Drop(parsed) if isinstance(parsed, str) else parsed
+
+
 def parse_line(raw: bytes, default_source: str, oasst: str = "paths") -> Iterator[dict[str, Any] | Drop]:
     """One input line -> records or Drops (at least one of either). `oasst` is how a tree is read: "paths",
-    "best" (conversations) or "pairs"."""
+    "best" (conversations), "pairs" (prompt/response) or "preferences" (pairs of ranked replies)."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -154,7 +164,9 @@ def parse_line(raw: bytes, default_source: str, oasst: str = "paths") -> Iterato
     try:
         source = obj.get("source") if isinstance(obj.get("source"), str) else default_source
         is_tree = "message_tree_id" in obj or isinstance(obj.get("prompt"), dict) and "replies" in obj["prompt"]
-        if is_tree and oasst != "pairs":
+        if is_tree and oasst == OASST_PREFERENCES:
+            yield from map(_kept_or_dropped, oasst_preferences(obj))
+        elif is_tree and oasst != "pairs":
             for parsed in oasst_threads(obj, oasst):
                 yield _conversation_record(parsed, "oasst")
         elif is_tree:
@@ -164,6 +176,8 @@ def parse_line(raw: bytes, default_source: str, oasst: str = "paths") -> Iterato
                 yield item
             if not produced:
                 yield Drop("no_pairs")
+        elif is_preference(obj):  # before messages: UltraFeedback-binarized records have both
+            yield _kept_or_dropped(preference_record(obj, source))
         elif "messages" in obj:
             yield _conversation_record(openai_messages(obj), source)
         elif "conversations" in obj:
@@ -178,14 +192,12 @@ def parse_line(raw: bytes, default_source: str, oasst: str = "paths") -> Iterato
         yield drop
 
 
-def normalize_whitespace(text: str) -> str:
-    return " ".join(text.split())
-
-
 def check_record(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> str | None:
     """The drop reason for a parsed record, or None to keep it."""
     if "messages" in record:
         return check_conversation(record, filters, seen)
+    if "chosen" in record:
+        return check_preference(record, filters, seen)
     prompt, response = record["prompt"], record["response"]
     if not all(encodable(record[key]) for key in ("source", "prompt", "response")):
         return "invalid_unicode"
@@ -225,9 +237,34 @@ def check_conversation(record: dict[str, Any], filters: Filters, seen: set[tuple
     return None
 
 
+def check_preference(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> str | None:
+    """The drop reason for a parsed preference pair, or None to keep it. The optional filters read the chosen answer:
+    the rejected one is expected to be poor, and a refusal is often exactly what it is."""
+    if not encodable(record["source"]):
+        return "invalid_unicode"
+    chosen = answer_text(record["chosen"])
+    if filters.min_response_chars and len(chosen.strip()) < filters.min_response_chars:
+        return "short_response"
+    if filters.drop_ai_disclaimers and AI_DISCLAIMER.search(chosen):
+        return "ai_disclaimer"
+    if filters.drop_refusals and REFUSAL.search(chosen):
+        return "refusal"
+    key = ("pair", *(normalized(record[name]) for name in PAIR_FIELDS))
+    if key in seen:
+        return "duplicate"
+    seen.add(key)
+    return None
+
+
 def record_line(record: dict[str, Any]) -> str:
-    """The output line: a conversation as {"messages", "source"}, a single turn as {"source", "prompt", "response"}."""
-    keys = ("messages", "source") if "messages" in record else ("source", "prompt", "response")
+    """The output line: a conversation as {"messages", "source"}, a preference pair as {"prompt", "chosen",
+    "rejected", "source"}, a single turn as {"source", "prompt", "response"}."""
+    if "messages" in record:
+        keys: tuple[str, ...] = ("messages", "source")
+    elif "chosen" in record:
+        keys = (*PAIR_FIELDS, "source")
+    else:
+        keys = ("source", "prompt", "response")
     return json.dumps({key: record[key] for key in keys}, ensure_ascii=False) + "\n"
 
 
@@ -276,14 +313,20 @@ def input_files(inputs: list[str]) -> list[Path]:
     return files
 
 
-def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = None, oasst: str = "paths"
-          ) -> dict[str, Any]:
+def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = None, oasst: str = "paths",
+          oasst_preferences: bool = False) -> dict[str, Any]:
     """Clean every input into `output_dir/<name>_clean.jsonl` and write `clean_report.json`. Returns the report.
 
-    `oasst`: OpenAssistant trees as every thread ("paths"), the best-ranked thread ("best"), or prompt/response
-    pairs ("pairs")."""
+    `oasst`: OpenAssistant trees as every thread ("paths"), the best-ranked thread ("best"), prompt/response
+    pairs ("pairs"); or, with `oasst_preferences`, as preference pairs of ranked sibling replies (the report's oasst
+    then says "preferences")."""
     if oasst not in OASST_MODES:
         raise UserError(f"--oasst: must be one of {', '.join(OASST_MODES)}, got {oasst!r}")
+    if oasst_preferences:
+        if oasst != "paths":
+            raise UserError(f"--oasst-preferences: reads trees as pairs of ranked replies, which --oasst {oasst} "
+                            f"would contradict; give one of the two")
+        oasst = OASST_PREFERENCES
     filters = filters or Filters()
     output_dir = Path(output_dir)
     seen: set[tuple] = set()

@@ -37,6 +37,11 @@ def encodable(text: str) -> bool:
     return True
 
 
+def normalize_whitespace(text: str) -> str:
+    """`text` with every run of whitespace one space: what duplicates are compared by."""
+    return " ".join(text.split())
+
+
 def is_text(value: Any) -> bool:
     """A string that can be written as UTF-8 and tokenised."""
     return isinstance(value, str) and encodable(value)

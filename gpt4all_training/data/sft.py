@@ -41,17 +41,20 @@ class Example:
 
 
 def build_example(prompt_ids: list[int], response_ids: list[int], eos_id: int, max_length: int,
-                  keep_head: int = 0) -> Example:
+                  keep_head: int = 0, room_for: int | None = None) -> Example:
     """Concatenate prompt, response and EOS into at most `max_length` tokens with prompt-masked labels.
 
     If it does not fit, the prompt keeps its first `keep_head` tokens (a BOS) and its end (the question is
     usually last), shrinking to no less than max_length // 2 while the response needs room; the response then
     keeps as much as fits. A cut response gets no EOS: the model must not learn to stop mid-answer.
+    `room_for` is the response length the prompt makes room for (this response's when None): the two answers of a
+    preference pair pass the longer one, so that both keep the same prompt.
     """
     prompt, response = list(prompt_ids), list(response_ids)
+    room_for = len(response) if room_for is None else room_for
     truncated_prompt = truncated_response = False
-    if len(prompt) + len(response) + 1 > max_length:
-        prompt_budget = min(len(prompt), max(max_length // 2, max_length - len(response) - 1))
+    if len(prompt) + room_for + 1 > max_length:
+        prompt_budget = min(len(prompt), max(max_length // 2, max_length - room_for - 1))
         if len(prompt) > prompt_budget:
             head = prompt[:min(keep_head, prompt_budget)]
             tail_len = prompt_budget - len(head)
@@ -99,14 +102,18 @@ def drop_reason(prompt: Any, response: Any, response_ids: list[int], n_trained: 
     return "no_trained_tokens" if n_trained == 0 else ""
 
 
+def encode_responses(responses: list[Any], tokenizer) -> list[list[int]]:
+    """Token ids of responses (anything that is not text encodes as nothing). Text that spells a special token
+    ("<|endoftext|>" quoted in an answer) stays text: an EOS mid-answer would teach the model to stop there."""
+    texts = [r if is_text(r) else "" for r in responses]
+    return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def tokenize_batch(batch: dict[str, list], tokenizer, max_length: int, template: str) -> dict[str, list]:
     """A batched `datasets.map` function: adds input_ids, labels and the bookkeeping columns for every row."""
     prompts = [p if is_text(p) else "" for p in batch["prompt"]]
-    responses = [r if is_text(r) else "" for r in batch["response"]]
     prompt_ids = encode_prompts(prompts, tokenizer, template)
-    # Text that spells a special token ("<|endoftext|>" quoted in an answer) stays text: an EOS mid-answer would
-    # teach the model to stop there.
-    response_ids = tokenizer(responses, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    response_ids = encode_responses(batch["response"], tokenizer)
     keep_head = keep_head_for(tokenizer, template)
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_trained", "length", "truncated_prompt",
                                             "truncated_response", "drop_reason")}
@@ -169,20 +176,21 @@ class DataStats:
     truncated_response: int
     lengths: dict[str, float]
     trained_fraction: float
+    noun: str = "examples"  # what `count` counts: examples, or preference pairs (whose lengths are both answers')
 
     def describe(self, name: str) -> str:
         lens = self.lengths
         dropped = ", ".join(f"{k} {v}" for k, v in self.dropped.items()) or "none"
         if not self.count:
-            return f"{name}: 0 examples; dropped {dropped}"
-        return (f"{name}: {self.count} examples; tokens min {lens['min']:.0f} median {lens['median']:.0f} "
+            return f"{name}: 0 {self.noun}; dropped {dropped}"
+        return (f"{name}: {self.count} {self.noun}; tokens min {lens['min']:.0f} median {lens['median']:.0f} "
                 f"p95 {lens['p95']:.0f} max {lens['max']:.0f}; truncated {self.truncated_prompt} prompts, "
                 f"{self.truncated_response} responses (no EOS); dropped {dropped}; "
                 f"trained-token fraction {self.trained_fraction:.3f}")
 
 
-def finish_split(tokenized) -> tuple[Any, DataStats]:
-    """Drop (and count) unusable rows; compute the statistics of what is kept."""
+def finish_split(tokenized, noun: str = "examples") -> tuple[Any, DataStats]:
+    """Drop (and count) unusable rows; compute the statistics of what is kept (`noun` is what a row is)."""
     reasons = np.asarray(tokenized["drop_reason"], dtype=object)
     dropped: dict[str, int] = {}
     for reason in reasons[reasons != ""]:
@@ -197,7 +205,7 @@ def finish_split(tokenized) -> tuple[Any, DataStats]:
         lengths={"min": float(lengths.min()), "median": float(np.median(lengths)),
                  "p95": float(np.percentile(lengths, 95)), "max": float(lengths.max()),
                  "mean": float(lengths.mean())},
-        trained_fraction=trained / max(1, int(lengths.sum())) if len(kept) else 0.0,
+        trained_fraction=trained / max(1, int(lengths.sum())) if len(kept) else 0.0, noun=noun,
     )
     return kept, stats
 

@@ -39,6 +39,7 @@ from gpt4all_training.preflight.plan import (
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.loop import train
 from gpt4all_training.training.objectives import RecordScan, objective_for
+from gpt4all_training.training.preference import reference_kind
 
 GIB = 2**30
 TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard"}
@@ -196,8 +197,10 @@ def memory_problem(config, estimate, available: float, where: str) -> Optional[s
 
 def check_memory(config, shape) -> Outcome:
 
-    estimates = memory_per_gpu(shape, config.batch_size, config.max_length, config.dtype, 1,
-                               config.gradient_checkpointing)
+    dpo = config.objective == "dpo"  # a micro-batch holds both answers of each pair
+    sequences = (2 if dpo else 1) * config.batch_size
+    estimates = memory_per_gpu(shape, sequences, config.max_length, config.dtype, 1, config.gradient_checkpointing,
+                               int(dpo and reference_kind(config) == "frozen_copy"))
     mode = "LoRA" if config.lora else "full (DDP)"
     available, where = device_memory()
     problem = memory_problem(config, estimates[mode], available, where)
@@ -205,7 +208,7 @@ def check_memory(config, shape) -> Outcome:
         return failed("memory", problem)
     what = "LoRA" if config.lora else "full fine-tuning"
     return passed("memory", f"about {size(estimates[mode].total)} of the {where}'s {size(available)} "
-                            f"({what}, batch {config.batch_size} x {config.max_length}; `plan` shows the formula)")
+                            f"({what}, batch {sequences} x {config.max_length}; `plan` shows the formula)")
 
 
 def writable_folder(path: Path) -> Optional[str]:

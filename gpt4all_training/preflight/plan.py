@@ -47,7 +47,8 @@ MEMORY_FORMULAS = (
     "  activations (Korthikanti et al. 2022, micro-batch b, length s = max_length, width h, heads a, L layers,\n"
     "  B bytes per value): L*s*b*h*(34 + 5*a*s/h)*B/2; with gradient checkpointing L*s*b*h*B plus one layer;\n"
     "  plus the loss head's logits chunk (at most 8M fp32 values and their gradient). An upper bound with\n"
-    "  flash/SDPA attention, which never stores the a*s*s scores.")
+    "  flash/SDPA attention, which never stores the a*s*s scores. dpo: b is 2 x batch_size (both answers), and\n"
+    "  reference: frozen_copy adds 4P (full and ZeRO-2; refused under ZeRO-3).")
 
 
 # ---------------------------------------------------------------- the model's shape (no weights loaded)
@@ -103,10 +104,11 @@ class Memory:
     gradients: float
     optimizer: float
     activations: float
+    reference: float = 0.0  # frozen copies of the weights (dpo's reference: frozen_copy)
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.reference
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, length: int, dtype: str,
@@ -120,20 +122,22 @@ def activation_bytes(shape: ModelShape, micro_batch: int, length: int, dtype: st
 
 
 def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str, gpus: int,
-                   gradient_checkpointing: bool) -> dict[str, Memory]:
-    """The estimates of MEMORY_FORMULAS, in bytes, for each way of training."""
+                   gradient_checkpointing: bool, reference_copies: int = 0) -> dict[str, Memory]:
+    """The estimates of MEMORY_FORMULAS, in bytes, for each way of training; with `reference_copies` frozen fp32
+    copies of the weights where a process holds a whole model to copy (full and ZeRO-2)."""
     P, N = shape.parameters, gpus
     act = activation_bytes(shape, micro_batch, length, dtype, gradient_checkpointing)
     mixed = dtype != "float32"
-    estimates = {"full (DDP)": Memory(4 * P, 4 * P, 8 * P, act)}
+    reference = 4 * P * reference_copies
+    estimates = {"full (DDP)": Memory(4 * P, 4 * P, 8 * P, act, reference)}
     if shape.lora_trainable is not None:
         T = shape.lora_trainable
         estimates["LoRA"] = Memory(4 * P, 4 * T, 8 * T, act)
     if mixed:
-        estimates["ZeRO-2"] = Memory(2 * P, 2 * P / N, 12 * P / N, act)
+        estimates["ZeRO-2"] = Memory(2 * P, 2 * P / N, 12 * P / N, act, reference)
         estimates["ZeRO-3"] = Memory(2 * P / N, 2 * P / N, 12 * P / N, act)
     else:
-        estimates["ZeRO-2"] = Memory(4 * P, 4 * P / N, 8 * P / N, act)
+        estimates["ZeRO-2"] = Memory(4 * P, 4 * P / N, 8 * P / N, act, reference)
         estimates["ZeRO-3"] = Memory(4 * P / N, 4 * P / N, 8 * P / N, act)
     return estimates
 
@@ -248,7 +252,8 @@ class Plan:
         ]
         for name, m in self.memory.items():
             lines.append(f"  {name:<11} {size(m.total):>11} = weights {size(m.weights)} + gradients "
-                         f"{size(m.gradients)} + Adam {size(m.optimizer)} + activations {size(m.activations)}")
+                         f"{size(m.gradients)} + Adam {size(m.optimizer)} + activations {size(m.activations)}"
+                         + (f" + reference {size(m.reference)}" if m.reference else ""))
         lines.extend("  " + line for line in MEMORY_FORMULAS.splitlines())
         lines.append("time")
         if self.seconds is None:
@@ -315,8 +320,8 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
         lr_first_last=(learning_rate(0, config, total_steps), learning_rate(total_steps - 1, config, total_steps)),
         checkpoints=len(saves), kept_at_most=most_kept(saves, config.keep_last, config.keep_every),
         checkpoint_bytes=checkpoint_bytes(shape, config.lora), final_bytes=final_bytes, shape=shape,
-        memory=memory_per_gpu(shape, config.batch_size, config.max_length, config.dtype, gpus,
-                              config.gradient_checkpointing),
+        memory=memory_per_gpu(shape, data.rows_per_example * config.batch_size, config.max_length, config.dtype,
+                              gpus, config.gradient_checkpointing, data.reference_copies),
         tokens_per_second=tokens_per_second, throughput_source=source, notes=notes)
 
 

@@ -3,8 +3,8 @@
 Each panel is an inline SVG with its text kept as text (`svg.fonttype: none`), so tick labels, legends and titles
 are searchable and readable in the DOM, and every drawn series carries an id (`train-loss`, `validation-loss`, ...).
 Panels: the training loss (raw and smoothed) with the validation loss (markers, so one evaluation still shows),
-learning rate, gradient norm, tokens per second, padding fraction and peak memory; a panel whose metric was never
-logged is left out.
+for preference tuning the rewards and the reward accuracy (training and validation), learning rate, gradient norm,
+tokens per second, padding fraction and peak memory; a panel whose metric was never logged is left out.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from gpt4all_training.tracking.tracker import read_metrics
 
 # (panel id, title, y label, [(metric, legend label)], log scale when the values span more than 100x)
 PANELS = [
+    ("rewards", "Rewards (mean over pairs)", "reward", [("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"),
+                                                       ("rewards/margins", "margin"),
+                                                       ("val_rewards/margins", "validation margin")], False),
+    ("reward-accuracy", "Reward accuracy", "fraction of pairs, chosen above rejected",
+     [("rewards/accuracies", "train"), ("val_rewards/accuracies", "validation")], False),
     ("lr", "Learning rate", "lr", [("lr", "learning rate")], False),
     ("grad-norm", "Gradient norm (before clipping)", "norm", [("grad_norm", "gradient norm")], True),
     ("throughput", "Throughput", "tokens/s", [("tokens_per_s", "tokens/s"),
@@ -99,7 +104,7 @@ def loss_panel(rows: list[dict[str, Any]]) -> Optional[str]:
     val_steps, val_loss = series(rows, "val_loss")
     if not steps and not val_steps:
         return None
-    fig, ax = new_axes("Loss", "loss (nats per trained token)")
+    fig, ax = new_axes("Loss", "loss (per trained token; dpo: per pair)")
     if steps:
         ax.plot(steps, loss, color=COLORS["train"], alpha=0.35, linewidth=1, marker="." if len(steps) < 50 else None,
                 label="train loss", gid="train-loss")
@@ -123,7 +128,7 @@ def metric_panel(rows: list[dict[str, Any]], panel: str, title: str, ylabel: str
     for key, label, steps, values in drawn:
         # markers too: a metric logged once is one point, which a line alone would not show
         ax.plot(steps, values, marker="." if len(steps) < 50 else None, linewidth=1.5, label=label,
-                gid=key.replace("_", "-"))
+                gid=key.replace("_", "-").replace("/", "-"))
     values = [v for d in drawn for v in d[3]]
     if log_when_wide and min(values) > 0 and max(values) / min(values) > 100:
         ax.set_yscale("log")

@@ -73,3 +73,5 @@ class DataPlan:
     total_steps: int
     run: TokenCounts
     notes: list[str] = field(default_factory=list)  # what the plan should say about this objective
+    reference_copies: int = 0  # frozen copies of the weights the objective keeps besides the trained model
+    rows_per_example: int = 1  # sequences a micro-batch holds per example (a dpo pair: 2)

@@ -1,13 +1,45 @@
-"""Token-weighted validation loss across all ranks: sum of token losses over sum of trained tokens."""
+"""Validation across all ranks: the objective's sums over the validation split, reduced, then its metrics. For sft
+and causal_lm the token-weighted loss: sum of token losses over sum of trained tokens."""
 
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 import torch
 
+from gpt4all_training.batch import IGNORE
 from gpt4all_training.data.batching import fetch_batch
 from gpt4all_training.training.loss import token_loss_sum
+
+
+class Validation(Protocol):
+    """What an objective measures on its validation split."""
+    width: int  # how many sums `sums` returns
+
+    def fetch(self, dataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]: ...
+
+    def sums(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A 1-D float64 tensor of sums over the batch; summed over batches and ranks, `metrics` reads them."""
+        ...
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]: ...
+
+
+class TokenValidation:
+    """The validation loss of next-token prediction: NLL per trained token, and its perplexity."""
+    width = 2  # NLL sum, trained tokens
+
+    def fetch(self, dataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+        return fetch_batch(dataset, indices, pad_id)
+
+    def sums(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = token_loss_sum(model, batch).double()
+        return torch.stack([loss, (batch["labels"][:, 1:] != IGNORE).sum().to(loss)])
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(totals[1])}
 
 
 def eval_batches(n_examples: int, batch_size: int, world_size: int, rank: int,
@@ -30,40 +62,43 @@ def eval_batches(n_examples: int, batch_size: int, world_size: int, rank: int,
 
 
 @torch.no_grad()
-def evaluate_loss(model, dataset, backend, batch_size: int, pad_id: int,
-                  max_batches: int | None = None) -> dict[str, float]:
-    """{"val_loss", "val_ppl", "val_tokens"}; logits are never kept across batches."""
+def evaluate_loss(model, dataset, backend, batch_size: int, pad_id: int, max_batches: int | None = None,
+                  validation: Validation | None = None) -> dict[str, Any]:
+    """The validation metrics (by default TokenValidation's: {"val_loss", "val_ppl", "val_tokens"}); logits are
+    never kept across batches."""
+    validation = validation or TokenValidation()
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
-    n_tokens = torch.zeros((), dtype=torch.float64, device=backend.device)
+    totals = torch.zeros(validation.width, dtype=torch.float64, device=backend.device)
     for indices, real in eval_batches(len(dataset), batch_size, backend.world_size, backend.rank, max_batches):
-        batch = backend.to_device(fetch_batch(dataset, indices, pad_id))  # XLA: a fixed width bucket, no recompiles
+        batch = backend.to_device(validation.fetch(dataset, indices, pad_id))  # XLA: a fixed width bucket
         with backend.autocast():
-            loss = token_loss_sum(model, batch)
+            sums = validation.sums(model, batch)
         if real:
-            loss_sum += loss.double()
-            n_tokens += (batch["labels"][:, 1:] != -100).sum()
+            totals += sums.double()
         backend.step_boundary()  # XLA: one graph per batch
-    totals = backend.reduce(torch.stack([loss_sum, n_tokens]))
+    totals = backend.reduce(totals)
     if was_training:
         model.train()
-    loss_value = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
-    return {"val_loss": loss_value, "val_ppl": math.exp(min(loss_value, 50.0)), "val_tokens": int(totals[1])}
+    return validation.metrics(totals.cpu())
 
 
 class Evaluator:
-    """Validation loss on the validation split: due every eval_every steps and at the last step."""
+    """The objective's validation on the validation split: due every eval_every steps and at the last step."""
 
-    def __init__(self, config, backend, dataset, pad_id: int, total_steps: int, log) -> None:
+    def __init__(self, config, backend, dataset, pad_id: int, total_steps: int, log,
+                 validation: Validation | None = None) -> None:
         self.backend, self.dataset, self.pad_id, self.total_steps, self.log = backend, dataset, pad_id, total_steps, log
         self.every, self.batch_size, self.max_batches = config.eval_every, config.batch_size, config.eval_steps
+        self.validation = validation or TokenValidation()
         self.last: dict[str, float] = {}  # the latest result, for the run's summary
 
     def due(self, step: int) -> bool:
         return len(self.dataset) > 0 and (bool(self.every) and step % self.every == 0 or step == self.total_steps)
 
     def run(self, model, step: int) -> dict[str, float]:
-        self.last = evaluate_loss(model, self.dataset, self.backend, self.batch_size, self.pad_id, self.max_batches)
-        self.log(f"step {step}: val_loss {self.last['val_loss']:.4f} val_ppl {self.last['val_ppl']:.2f}")
+        self.last = evaluate_loss(model, self.dataset, self.backend, self.batch_size, self.pad_id, self.max_batches,
+                                  self.validation)
+        described = " ".join(f"{key} {value:.4f}" for key, value in self.last.items() if isinstance(value, float))
+        self.log(f"step {step}: {described}")
         return self.last

@@ -1,8 +1,8 @@
 """The training loop, readable top to bottom: `python train.py --config c.yaml [key=value ...]`.
 
-The same code runs under `python`, `accelerate launch` and `torchrun`. The backend (one process, DDP, DeepSpeed or
-XLA) and the objective (fine-tuning or raw-text causal LM) are each chosen once; the loop asks its components
-whether they are due (the meter, the evaluator, the checkpointer) and cleans up however it ends.
+The same code runs under `python`, `accelerate launch` and `torchrun`. The backend (one process, DDP, DeepSpeed,
+FSDP2 or XLA) and the objective (fine-tuning, preference tuning or raw-text causal LM) are each chosen once; the loop
+asks its components whether they are due (the meter, the evaluator, the checkpointer) and cleans up however it ends.
 """
 
 from __future__ import annotations
@@ -56,13 +56,14 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     sampler = objective.sampler(config, data, backend.world_size, backend.rank)
     total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
     model, optimizer, scheduler = prepare(model, config, backend, total_steps)
+    objective.before_training(model, data, backend, tokenizer.pad_token_id, log)
     log(objective.steps_line(sampler, total_steps, config.num_epochs))
     state, lineage = resume_training(config, backend, model, optimizer, scheduler, sampler, data.fingerprint, log)
 
     tracker = Tracker(config.output_dir, config.report_to, config.to_dict(), backend.is_main_process,
                       resume_step=state.step, project=config.wandb_project_name, entity=config.wandb_entity)
     meter = ThroughputMeter(config.log_every, total_steps, sampler.steps_per_epoch, config.nan_policy == "skip")
-    evaluator = Evaluator(config, backend, data.val, tokenizer.pad_token_id, total_steps, log)
+    evaluator = Evaluator(config, backend, data.val, tokenizer.pad_token_id, total_steps, log, objective.validation)
     others = [build(config, backend, tokenizer, total_steps, log) for build in evaluators]
     checkpointer = Checkpointer(config, backend, sampler, total_steps, lineage, data.fingerprint)
     if backend.is_main_process:  # a kill between an earlier save and its rotation left one checkpoint too many
@@ -78,7 +79,8 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
                            for indices in sampler.step_indices(state.step)]
                 result = train_step(model, batches, backend, optimizer, scheduler, config.max_grad_norm, state.step,
                                     objective.loss, config.nan_policy,
-                                    grad_norms=bool(grads_every) and (state.step + 1) % grads_every == 0)
+                                    grad_norms=bool(grads_every) and (state.step + 1) % grads_every == 0,
+                                    count=objective.count)
                 state = state.after(result)
                 meter.add(result)
                 progress.update(1)

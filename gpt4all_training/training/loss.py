@@ -139,6 +139,60 @@ def chunked_loss_and_z(hidden: torch.Tensor, head: nn.Linear, targets: torch.Ten
                                            torch.is_grad_enabled(), z_loss)
 
 
+class ChunkedLinearLogProbs(torch.autograd.Function):
+    """log softmax(hidden_i @ W.T + b)[target_i] for each row of `hidden`, one chunk of rows at a time.
+
+    Unlike ChunkedLinearCrossEntropy, whose single output lets forward compute the gradients ahead, each row here may
+    get its own incoming gradient (a preference loss weighs every sequence differently), so backward recomputes each
+    chunk's logits and applies d log p_i / d logits = one-hot - softmax, times the row's gradient. Peak memory is one
+    chunk's logits either way. Matmuls run in `dtype`; softmax and accumulation in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, dtype, chunk_rows):
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.float() if bias is not None else None
+            out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+            for start in range(0, hidden.size(0), chunk_rows):
+                logits = _chunk_logits(hidden[start:start + chunk_rows].to(dtype), w, b)
+                t = targets[start:start + chunk_rows]
+                out[start:start + chunk_rows] = logits.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.dtype, ctx.chunk_rows = dtype, chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dtype, chunk_rows = ctx.dtype, ctx.chunk_rows
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.float() if bias is not None else None
+            grad_hidden = torch.empty_like(hidden) if need_hidden else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+            for start in range(0, hidden.size(0), chunk_rows):
+                h = hidden[start:start + chunk_rows].to(dtype)
+                t = targets[start:start + chunk_rows]
+                logits = _chunk_logits(h, w, b)
+                grad_logits = logits.sub_(torch.logsumexp(logits, -1, keepdim=True)).exp_().neg_()  # -softmax
+                grad_logits[torch.arange(t.numel(), device=t.device), t] += 1
+                grad_logits.mul_(grad_out[start:start + chunk_rows, None].float())
+                if need_bias:
+                    grad_bias += grad_logits.sum(0)
+                g = grad_logits.to(dtype)
+                if need_hidden:
+                    grad_hidden[start:start + chunk_rows] = g @ w
+                if need_weight:
+                    grad_weight += (g.T @ h).float()
+        return (grad_hidden,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                grad_bias.to(bias.dtype) if grad_bias is not None else None,
+                None, None, None)
+
+
 def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of NLL of `targets` under fp32 `logits` (..., vocab), already shifted; IGNORE targets skipped."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
@@ -192,6 +246,30 @@ def token_loss(model, batch: dict[str, torch.Tensor], z_loss: float = 0.0, last_
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum of next-token NLL over the trained positions of `batch`: the fine-tuning loss and the evaluation loss."""
     return token_loss(model, batch).total
+
+
+def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per row of `batch`, the sum of the log-probabilities of its trained tokens (fp32, differentiable): what a
+    preference loss compares. The chunked head is used where it reproduces the model's logits exactly (as in
+    token_loss), else the full logits."""
+    targets = batch["labels"][:, 1:]
+    found = None if batch["input_ids"].device.type == "xla" else output_head(model)
+    if found is None:
+        shifted = model(**model_inputs(batch)).logits[:, :-1].float()
+        targets = targets.to(shifted.device)
+        nll = F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                              reduction="none")
+        return -nll.view(targets.shape).sum(1)
+    parent, name, head = found
+    with head_removed(parent, name):
+        hidden = model(**model_inputs(batch)).logits[:, :-1]
+    targets = targets.to(hidden.device)
+    trained = targets != IGNORE
+    dtype = compute_dtype(hidden.device, head.weight.dtype)
+    chunk_rows = max(1, CHUNK_ELEMENTS // head.out_features)
+    logps = ChunkedLinearLogProbs.apply(hidden[trained], head.weight, head.bias, targets[trained], dtype, chunk_rows)
+    rows = trained.nonzero()[:, 0]
+    return torch.zeros(targets.size(0), dtype=torch.float32, device=hidden.device).index_add(0, rows, logps)
 
 
 class CausalLMLoss:

@@ -1,8 +1,9 @@
 """One optimizer step over this rank's micro-batches.
 
-The loss of an optimizer step is token-weighted over everything the step trains on: the sum of token losses of all
-its micro-batches on all ranks, divided by their total count of trained tokens. So batch 4 x accumulation 1, batch
-1 x accumulation 4 and 2 ranks x batch 2 all take the same step.
+The loss of an optimizer step is weighted over everything the step trains on: the sum of the losses of all its
+micro-batches on all ranks, divided by the total count of what they sum over, which the objective says (trained
+tokens for sft and causal_lm, pairs for dpo). So batch 4 x accumulation 1, batch 1 x accumulation 4 and 2 ranks x
+batch 2 all take the same step.
 """
 
 from __future__ import annotations
@@ -34,19 +35,21 @@ def group_grad_norms(optimizer, backend) -> dict[str, torch.Tensor]:
 
 def train_step(model, batches: list[dict[str, torch.Tensor]], backend, optimizer, scheduler,
                max_grad_norm: float | None, step: int, loss_fn=token_loss_sum, nan_policy: str = "stop",
-               grad_norms: bool = False) -> dict[str, Any]:
-    """One optimizer step. Returns the global, token-weighted step loss and counts; with `grad_norms`, also
-    "group_grad_norms" (group_grad_norms before clipping) when the gradients are finite.
+               grad_norms: bool = False, count=trained_token_count) -> dict[str, Any]:
+    """One optimizer step. `loss_fn(model, batch)` is a micro-batch's loss summed over what `count(batch)` counts.
+    Returns the global step loss (that sum over all micro-batches and ranks, divided by their total count) and the
+    token counts; with `grad_norms`, also "group_grad_norms" (group_grad_norms before clipping) when the gradients
+    are finite.
 
     A non-finite loss stops the run, or with nan_policy "skip" drops this step's update: every rank sees the same
     reduced loss, so all of them skip together, and the scheduler still steps (the lr stays a function of the step).
     """
-    local = torch.tensor([sum(trained_token_count(b) for b in batches),
+    local = torch.tensor([sum(count(b) for b in batches), sum(trained_token_count(b) for b in batches),
                           sum(real_token_count(b) for b in batches),
                           sum(b["input_ids"].numel() for b in batches)], dtype=torch.float64, device=backend.device)
-    n_trained, n_real, n_padded = backend.reduce(local).tolist()
+    n_counted, n_trained, n_real, n_padded = backend.reduce(local).tolist()
     # DDP averages gradients over ranks; scaling by the world size makes the result sum/global-count exactly.
-    scale = backend.world_size / max(n_trained, 1.0)
+    scale = backend.world_size / max(n_counted, 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
     for i, batch in enumerate(batches):
         batch = backend.to_device(batch)  # under XLA padded to a fixed width bucket: no recompiles
@@ -55,7 +58,7 @@ def train_step(model, batches: list[dict[str, torch.Tensor]], backend, optimizer
                 micro_loss = loss_fn(model, batch)
             backend.backward(micro_loss * scale)
         loss_sum += micro_loss.detach().double()
-    loss = (backend.reduce(loss_sum) / max(n_trained, 1.0)).item()
+    loss = (backend.reduce(loss_sum) / max(n_counted, 1.0)).item()
     skipped = not math.isfinite(loss)
     if skipped and nan_policy != "skip":
         raise TrainingError(f"step {step + 1}: the loss is {loss}; lower lr, check the data, or use float32")
