@@ -212,6 +212,14 @@ def end_of_turn_id(tokenizer) -> int:
     return ids[end - 1]
 
 
+def require_trainable_chat(tokenizer, template: str, what: str) -> None:
+    """Data with messages can be trained with this tokenizer and prompt_template, or one UserError says why (before
+    tokenizing, so a template that cannot be trained with is one error, not a drop per row); `what` names the data."""
+    if template == "plain" and getattr(tokenizer, "chat_template", None):
+        raise UserError(f"prompt_template: 'plain' cannot write {what} (the data has messages); use 'chat' or 'auto'")
+    end_of_turn_id(tokenizer)
+
+
 def encode_for_generation(tokenizer, conversations: list[list[dict[str, Any]]]) -> list[list[int]]:
     """The ids a model answers from: each conversation with the generation prompt, encoded as in training."""
     encoded = ChatEncoder(tokenizer).encode(conversations, [True] * len(conversations))

@@ -20,7 +20,8 @@ import torch
 
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.data.batching import collate
-from gpt4all_training.data.chat import ChatEncoder, ConversationExample, conversation_messages, end_of_turn_id
+from gpt4all_training.data.chat import (ChatEncoder, ConversationExample, conversation_messages,
+                                        require_trainable_chat)
 from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.preferences import PAIR_FIELDS, pair_problem, record_problem
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
@@ -192,10 +193,7 @@ def tokenize_pairs(ds, tokenizer, max_length: int, template: str, num_proc: int 
     if len(ds) == 0:
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
     if isinstance(ds[0]["chosen"], list):
-        if template == "plain" and getattr(tokenizer, "chat_template", None):
-            raise UserError("prompt_template: 'plain' cannot write message pairs (the data has messages); use 'chat' "
-                            "or 'auto'")
-        end_of_turn_id(tokenizer)  # a template that cannot be trained with is one error, not a drop per pair
+        require_trainable_chat(tokenizer, template, "message pairs")
         return ds.map(tokenize_message_pairs, batched=True, batch_size=256, num_proc=num_proc, features=features,
                       fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "train_turns": train_turns},
                       desc="tokenizing preference pairs")

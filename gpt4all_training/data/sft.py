@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from gpt4all_training.batch import IGNORE
-from gpt4all_training.data.chat import end_of_turn_id, tokenized_conversations
+from gpt4all_training.data.chat import require_trainable_chat, tokenized_conversations
 from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
 from gpt4all_training.data.records import load_records
@@ -150,10 +150,7 @@ def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: in
     if len(ds) == 0:
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
     if "messages" in ds.column_names:
-        if template == "plain" and getattr(tokenizer, "chat_template", None):
-            raise UserError("prompt_template: 'plain' cannot write conversations (the data has messages); use 'chat' "
-                            "or 'auto'")
-        end_of_turn_id(tokenizer)  # a template that cannot be trained with is one error, not a drop per row
+        require_trainable_chat(tokenizer, template, "conversations")
         return ds.map(tokenized_conversations, batched=True, batch_size=256, num_proc=num_proc, features=features,
                       fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "train_turns": train_turns},
                       desc="tokenizing conversations")

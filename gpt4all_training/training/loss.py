@@ -73,6 +73,27 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return logits + bias if bias is not None else logits
 
 
+def head_gradient_buffers(hidden, weight, bias, need_hidden: bool, need_weight: bool, need_bias: bool):
+    """(grad_hidden, grad_weight, grad_bias) to fill chunk by chunk, None for what needs no gradient; the weight's
+    and bias's accumulate in fp32."""
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+    return grad_hidden, grad_weight, grad_bias
+
+
+def add_head_gradients(grad_logits, h, w, dtype, rows: slice, grad_hidden, grad_weight, grad_bias) -> None:
+    """One chunk's share, from d loss / d logits of its `rows`: the hidden states' gradient written, the weight's and
+    bias's added (each where its buffer is not None)."""
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0)
+    g = grad_logits.to(dtype)
+    if grad_hidden is not None:
+        grad_hidden[rows] = g @ w
+    if grad_weight is not None:
+        grad_weight += (g.T @ h).float()
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i NLL(softmax(hidden_i @ W.T + b), target_i) + z_loss x sum_i log(Z_i)^2 over rows of `hidden`, one chunk
     of rows at a time, and sum_i log(Z_i)^2 (not differentiable: a metric).
@@ -89,9 +110,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.float() if bias is not None else None
-            grad_hidden = torch.empty_like(hidden) if need_hidden else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+            grad_hidden, grad_weight, grad_bias = head_gradient_buffers(hidden, weight, bias, need_hidden,
+                                                                        need_weight, need_bias)
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             z_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.size(0), chunk_rows):
@@ -107,13 +127,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if z_loss:
                     grad_logits.mul_((1 + 2 * z_loss * lse)[:, None])  # d(z log(Z)^2)/d logits = 2 z log(Z) softmax
                 grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1
-                if need_bias:
-                    grad_bias += grad_logits.sum(0)
-                g = grad_logits.to(dtype)
-                if need_hidden:
-                    grad_hidden[start:start + chunk_rows] = g @ w
-                if need_weight:
-                    grad_weight += (g.T @ h).float()
+                add_head_gradients(grad_logits, h, w, dtype, slice(start, start + chunk_rows), grad_hidden,
+                                   grad_weight, grad_bias)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         ctx.mark_non_differentiable(z_total)
@@ -170,9 +185,8 @@ class ChunkedLinearLogProbs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.float() if bias is not None else None
-            grad_hidden = torch.empty_like(hidden) if need_hidden else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+            grad_hidden, grad_weight, grad_bias = head_gradient_buffers(hidden, weight, bias, need_hidden,
+                                                                        need_weight, need_bias)
             for start in range(0, hidden.size(0), chunk_rows):
                 h = hidden[start:start + chunk_rows].to(dtype)
                 t = targets[start:start + chunk_rows]
@@ -180,13 +194,8 @@ class ChunkedLinearLogProbs(torch.autograd.Function):
                 grad_logits = logits.sub_(torch.logsumexp(logits, -1, keepdim=True)).exp_().neg_()  # -softmax
                 grad_logits[torch.arange(t.numel(), device=t.device), t] += 1
                 grad_logits.mul_(grad_out[start:start + chunk_rows, None].float())
-                if need_bias:
-                    grad_bias += grad_logits.sum(0)
-                g = grad_logits.to(dtype)
-                if need_hidden:
-                    grad_hidden[start:start + chunk_rows] = g @ w
-                if need_weight:
-                    grad_weight += (g.T @ h).float()
+                add_head_gradients(grad_logits, h, w, dtype, slice(start, start + chunk_rows), grad_hidden,
+                                   grad_weight, grad_bias)
         return (grad_hidden,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None,
