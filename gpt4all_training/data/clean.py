@@ -205,12 +205,9 @@ def check_record(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> 
         return "short_prompt"
     if not response.strip():
         return "empty_response"
-    if filters.min_response_chars and len(response.strip()) < filters.min_response_chars:
-        return "short_response"
-    if filters.drop_ai_disclaimers and AI_DISCLAIMER.search(response):
-        return "ai_disclaimer"
-    if filters.drop_refusals and REFUSAL.search(response):
-        return "refusal"
+    filtered = filter_reason(response, filters)
+    if filtered:
+        return filtered
     key = (normalize_whitespace(prompt), normalize_whitespace(response))
     if key in seen:
         return "duplicate"
@@ -237,18 +234,25 @@ def check_conversation(record: dict[str, Any], filters: Filters, seen: set[tuple
     return None
 
 
+def filter_reason(response: str, filters: Filters) -> str | None:
+    """The optional filters' drop reason for an answer (too short, an AI disclaimer, a refusal), or None."""
+    if filters.min_response_chars and len(response.strip()) < filters.min_response_chars:
+        return "short_response"
+    if filters.drop_ai_disclaimers and AI_DISCLAIMER.search(response):
+        return "ai_disclaimer"
+    if filters.drop_refusals and REFUSAL.search(response):
+        return "refusal"
+    return None
+
+
 def check_preference(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> str | None:
     """The drop reason for a parsed preference pair, or None to keep it. The optional filters read the chosen answer:
     the rejected one is expected to be poor, and a refusal is often exactly what it is."""
     if not encodable(record["source"]):
         return "invalid_unicode"
-    chosen = answer_text(record["chosen"])
-    if filters.min_response_chars and len(chosen.strip()) < filters.min_response_chars:
-        return "short_response"
-    if filters.drop_ai_disclaimers and AI_DISCLAIMER.search(chosen):
-        return "ai_disclaimer"
-    if filters.drop_refusals and REFUSAL.search(chosen):
-        return "refusal"
+    filtered = filter_reason(answer_text(record["chosen"]), filters)
+    if filtered:
+        return filtered
     key = ("pair", *(normalized(record[name]) for name in PAIR_FIELDS))
     if key in seen:
         return "duplicate"
