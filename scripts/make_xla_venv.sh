@@ -12,7 +12,7 @@ if [[ -f $STAMP && $STAMP -nt requirements.txt && $STAMP -nt requirements-dev.tx
     exit 0
 fi
 test -x "$VENV/bin/python" || python3 -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # requirements.txt without torch (pinned below to the release torch_xla needs) and deepspeed (no XLA support).
 grep -v -E '^(torch|deepspeed)==' requirements.txt > "$VENV/requirements-xla.txt"
 "${PIP[@]}" torch==2.9.0 torch_xla==2.9.0 -r "$VENV/requirements-xla.txt" -r requirements-dev.txt
