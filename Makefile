@@ -19,8 +19,6 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast test-xla demo clean-cache
 
-#: Python byte-compiles a module when it is first imported, instead of pip compiling every file of
-# every package at install.
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@mkdir -p $(TMPDIR)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,14 +31,15 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 install: $(STAMP)
 
 # The suite on TEST_WORKERS pytest-xdist workers (one per core of a CI machine). Each test file runs whole on one
-# worker (--dist loadfile), so a module's fixtures (a server, a set of training runs) are built once.
+# worker (--dist loadfile), so a module's fixtures (a server, a set of training runs) are built once. The 25 slowest
+# tests are listed at the end: what to look at when the suite grows too slow for CI.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	bash scripts/ensure_chromium.sh
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --basetemp=$(TMPDIR)/pytest \
-		$(PYTEST_ARGS)
+		--durations=25 $(PYTEST_ARGS)
 
 # The unit tests alone: what no marker in pyproject.toml names (no end-to-end run, no 2-process launch, nothing slow).
 test-fast: $(STAMP)

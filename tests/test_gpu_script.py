@@ -78,3 +78,24 @@ def test_trl_row_and_cuda_tests(results):
     if not torch.cuda.is_available():
         assert tests["skipped"] == len(tests["tests"])
         assert tests["passed"] == tests["failed"] == tests["errors"] == 0
+
+
+def test_train_throughput_stage(results):
+    """The dry run's one bench/train_throughput.py stage (ours packed against TRL packed, on the tiny GPT-J, 3 steps
+    of which 2 untimed); the full run's other three such stages are not started."""
+    stages = results["smollm2"]
+    assert {name: stage["error"] for name, stage in stages.items() if name != "smollm2_lora"} == {
+        "smollm2_full": "not run", "smollm2_lora_gc": "not run", "smollm2_full_gc": "not run"}
+    stage = stages["smollm2_lora"]
+    assert stage["status"] == "ok", stage
+    ours = stage["runs"]["ours-packed"][0]
+    assert (ours["steps"], ours["measured_steps"]) == (3, 1)
+    assert 0 < ours["padding_fraction"] < 1 and ours["trained_tokens_per_s"] > 0
+    assert ours["memory_kind"] == ("GPU max allocated" if torch.cuda.is_available() else "peak RSS")
+    if importlib.util.find_spec("trl") is None:
+        return
+    trl = stage["runs"]["trl-packed"][0]
+    assert trl["padding_fraction"] == 0.0  # padding-free rows
+    ratio = ours["trained_tokens_per_s"] / trl["trained_tokens_per_s"]
+    assert f"| ours + packing | {ours['trained_tokens_per_s']:,.0f} " in stage["table"]
+    assert f"| {ratio:.2f}x |" in stage["table"]
