@@ -585,8 +585,8 @@ def markdown(results: dict) -> str:
                       f"Ours: attention {rows['ours'].get('attention', '-')}, optimizer torch.optim.AdamW with its "
                       f"defaults; documents joined with EOS and cut into rows, attention crossing document boundaries "
                       f"inside a row (causal_lm, as in pretraining)."]
-    lines += ["", "## bench/train_throughput.py rows (SmolLM2-135M's shapes with random weights; the dry run: tiny GPT-J)",
-              ""]
+    lines += ["", "## bench/train_throughput.py rows", "",
+              "SmolLM2-135M's shapes with random weights; the dry run: the tiny GPT-J.", ""]
     for name, table in results["smollm2"].items():
         lines += [f"### {name}", "", table["table"] if table["status"] == "ok" else f"{table['status']}: "
                   f"{table['error']}", ""]

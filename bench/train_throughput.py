@@ -199,7 +199,8 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
                 "gradient_accumulation_steps": m["accumulation"], "max_steps": steps, "learning_rate": m["lr"],
                 "lr_scheduler_type": m["schedule"], "warmup_steps": 0, "max_grad_norm": 1.0, "weight_decay": 0.0,
                 "max_length": m["max_length"], "bf16": m["dtype"] == "bfloat16", "save_strategy": "no",
-                "report_to": "none", "seed": order_seed, "use_cpu": not torch.cuda.is_available(), "disable_tqdm": True, **TRL_EXTRA[variant]}
+                "report_to": "none", "seed": order_seed, "use_cpu": not torch.cuda.is_available(), "disable_tqdm": True,
+                **TRL_EXTRA[variant]}
     trainer = SFTTrainer(model=model, args=SFTConfig(**settings), train_dataset=data, processing_class=tokenizer,
                          peft_config=peft_config)
 
@@ -292,7 +293,8 @@ def worker(variant: str, kind: str, steps: int, out: Path, trl_seed: int, profil
 # ---------------------------------------------------------------- the side-by-side table
 
 def table(results: dict[str, list[dict[str, Any]]], variants: list[str]) -> str:
-    med = {v: {k: harness.median([r[k] for r in results[v]]) for k in results[v][0] if k not in ("variant", "dtype", "memory_kind")}
+    med = {v: {k: harness.median([r[k] for r in results[v]]) for k in results[v][0]
+               if k not in ("variant", "dtype", "memory_kind")}
            for v in variants if results.get(v)}
 
     def versus(row: dict[str, Any], baseline: str) -> str:
@@ -344,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.init == "random" and args.model == "tiny-gptj":
+        parser.error("--init random is for SmolLM2 (whose weights may be missing); the tiny GPT-J is built here")
     steps = args.steps or harness.MODELS[args.model]["steps"]
     harness.set_threads(args.threads)
     if args.dtype:
@@ -364,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     m = harness.MODELS[args.model]
     print(f"# {args.model}: {steps} steps x {m['batch_size']} x {m['accumulation']} examples (TRL packed: "
           f"{m['packed_rows']} x {m['accumulation']} rows of {m['max_length']} tokens), {m['dtype']}, {m['schedule']} "
-          f"lr, {args.init} weights, {args.repeats} repeats; {harness.machine()}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+          f"lr, {args.init} weights, {args.repeats} repeats; {harness.machine()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
         order = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
