@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,15 +22,15 @@ from pathlib import Path
 
 import pytest
 from support.files import write_jsonl
-from support.studio import DROPPED, TOPICS, make_workdir, sharegpt_rows
+from support.studio import CONVERSATIONS, DROPPED, make_workdir, sharegpt_rows
 
 from gpt4all_training.cli.config_options import DOC_INDENT, config_keys_help
 from gpt4all_training.cli.main import main
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.studio.app import StudioSettings, create_app
-from gpt4all_training.studio.configs import PRESETS_DIR
-from gpt4all_training.studio.runs import RECORD_FILE, overlapping, run_info
+from gpt4all_training.studio.configs import ACCELERATE_DIR, PRESETS_DIR
+from gpt4all_training.studio.runs import RECORD_FILE, Launch, commands, overlapping, run_info
 from gpt4all_training.studio.supervise import EXIT_FILE, LOG_FILE
 from gpt4all_training.studio.workdir import Workdir
 
@@ -115,7 +116,7 @@ def test_upload_takes_jsonl_and_leaves_nothing_of_a_refused_file(client, workdir
 
 def test_clean_reports_kept_and_dropped_by_reason_as_the_cli_writes_them(cleaned, workdir):
     entry = cleaned["report"]["files"]["data/chat.jsonl"]
-    assert (entry["read"], entry["kept"], entry["dropped"]) == (len(sharegpt_rows()), len(TOPICS), DROPPED)
+    assert (entry["read"], entry["kept"], entry["dropped"]) == (len(sharegpt_rows()), CONVERSATIONS, DROPPED)
     assert entry["kept"] + entry["dropped_total"] == entry["read"]
     assert cleaned["report"] == json.loads((workdir / "data" / "chat-clean" / "clean_report.json").read_text())
     assert cleaned["command"] == "gpt4all-training clean data/chat.jsonl --output-dir data/chat-clean"
@@ -351,3 +352,27 @@ def test_the_supervisor_forwards_one_sigterm_and_records_the_exit(tmp_path):
     assert (tmp_path / LOG_FILE).read_text().splitlines() == ["ready", "signals 1"]
     ended = json.loads((tmp_path / EXIT_FILE).read_text())
     assert (ended["exit_code"], ended["stop_signal"]) == (143, "SIGTERM")
+
+
+def test_a_run_is_started_as_the_cli_under_python_or_accelerate_launch():
+    shown, argv = commands(Launch("configs/a.yaml"), resume=False)
+    assert shown == ["gpt4all-training", "train", "--config", "configs/a.yaml"]
+    assert argv == [sys.executable, "-m", "gpt4all_training.cli", "train", "--config", "configs/a.yaml"]
+    shown, argv = commands(Launch("configs/a.yaml", "accelerate", "fsdp2_2proc.yaml", 2), resume=True)
+    options = ["--config_file", str(ACCELERATE_DIR / "fsdp2_2proc.yaml"), "--num_processes", "2"]
+    assert shown == ["accelerate", "launch", *options, "-m", "gpt4all_training.cli", "train", "--config",
+                     "configs/a.yaml", "resume=auto"]
+    assert argv == [str(Path(sys.executable).with_name("accelerate")), *shown[1:]]
+
+
+def test_the_studio_command_refuses_a_missing_key_and_a_port_in_use(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("STUDIO_MISSING_KEY", raising=False)
+    assert cli_error(capsys, "studio", "--workdir", str(tmp_path), "--api-key-env", "STUDIO_MISSING_KEY") == (
+        "error: --api-key-env: environment variable STUDIO_MISSING_KEY is not set (or empty); export the key in it "
+        "before starting the server")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_error(capsys, "studio", "--workdir", str(tmp_path), "--port", str(port)) == (
+            f"error: --port {port}: cannot listen on 127.0.0.1:{port} (in use); choose another port")

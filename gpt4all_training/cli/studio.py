@@ -37,6 +37,8 @@ def require_free_port(host: str, port: int) -> None:
     """Refuse a port in use now, not after the studio has started loading."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as probe:
+        # As uvicorn binds: connections of a studio that just stopped (TIME_WAIT) do not hold the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:

@@ -248,7 +248,9 @@ def score_rows(runs: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
         for metric in sorted(set().union(*(run.get(task, {}) for run in runs))):
             values = [run.get(task, {}).get(metric) for run in runs]
             change = values[1] - values[0] if len(values) == 2 and None not in values else None
-            rows.append({"task": task, "metric": metric.replace(",", " "), "values": values, "change": change})
+            name, _, filter_name = metric.partition(",")  # the harness's "metric,filter"; filter "none" is no filter
+            shown = name if filter_name in ("", "none") else f"{name} ({filter_name})"
+            rows.append({"task": task, "metric": shown, "values": values, "change": change})
     return rows
 
 

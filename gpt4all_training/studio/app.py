@@ -257,6 +257,11 @@ def create_app(settings: StudioSettings) -> FastAPI:
     async def http_error(_request, exc: HTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def server_error(_request, exc: Exception):  # a bug: one line for the page, the traceback for the log
+        log.error("request failed", exc_info=exc)
+        return error_response(500, f"the studio failed ({type(exc).__name__}); its log has the details")
+
     def blocking(function, *args, **kwargs):
         """Run a package function off the event loop: the page stays responsive while it works."""
         return run_in_threadpool(function, *args, **kwargs)

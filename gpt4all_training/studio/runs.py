@@ -20,6 +20,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,8 @@ class Runs:
         self.workdir = workdir
         self.hidden_env = hidden_env  # variables the run must not see: the studio's API key
         self.children: dict[str, subprocess.Popen] = {}
+        # Requests run in threads: two starts at once (a double click) must not both pass the conflict check.
+        self.starting = threading.Lock()
 
     def folder(self, name: str) -> Path:
         folder = self.workdir.path(f"{RUNS_DIR}/{name}", "run")
@@ -232,25 +235,34 @@ class Runs:
         check_launch(launch)
         config = load_in(self.workdir, launch.config)
         folder = require_run_folder(self.workdir, config.output_dir)
+        with self.starting:
+            self.check_conflicts(launch, folder.name)
+            return self.launch(launch, folder, resume)
+
+    def check_conflicts(self, launch: Launch, name: str) -> None:
         for run in self.list():
             if run["state"] != "running":
                 continue
-            if run["name"] == folder.name:
-                raise RunConflict(f"run {folder.name}: already running; stop it first")
+            if run["name"] == name:
+                raise RunConflict(f"run {name}: already running; stop it first")
             other = Launch(**run["launch"]) if run["launch"] else Launch(config="")
             if not launch.allow_concurrent and overlapping(launch.device_set(), other.device_set()):
                 raise RunConflict(f"run {run['name']} is running on {other.devices or 'all devices'}: one run at a "
                                   f"time per device; stop it, choose other devices, or allow concurrent runs")
+
+    def launch(self, launch: Launch, folder: Path, resume: bool) -> dict[str, Any]:
+        """The supervisor, started in a session of its own, with the run's record written for later readers."""
         shown, argv = commands(launch, resume)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / EXIT_FILE).unlink(missing_ok=True)
         env = {key: value for key, value in os.environ.items() if key not in self.hidden_env}
-        # The page shows the log: progress bars drawn with carriage returns would fill it with one long line.
+        # The page shows the log: the progress bars that can be turned off are (log_tail keeps the last state of
+        # the others, which redraw their line after carriage returns).
         env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
         if launch.device_set() is not None:
             env["CUDA_VISIBLE_DEVICES"] = launch.devices
         record = {"command": shlex.join(shown), "config": launch.config, "launch": dataclasses.asdict(launch),
-                  "resumed": resume, "started": time.time()}
+                  "started": time.time()}
         with open(folder / LOG_FILE, "ab") as log:
             log.write(f"$ {record['command']}\n".encode())
         supervisor = [sys.executable, "-m", "gpt4all_training.studio.supervise", str(folder), launch.launcher, "--",

@@ -19,18 +19,21 @@ from support.models import build_tiny_llama
 from support.paths import PYTHON, REPO
 
 STARTUP_TIMEOUT_S = 180
-# ShareGPT conversations: TOPICS distinct ones, then a duplicate of the first, one that ends on the user's turn and one
-# with no turns, which clean drops as duplicate, last_turn_not_assistant and malformed_messages.
+# ShareGPT conversations: each topic asked in each way (64 distinct ones: two optimizer steps of 32), then a duplicate
+# of the first, one that ends on the user's turn and one with no turns, which clean drops as duplicate,
+# last_turn_not_assistant and malformed_messages.
 TOPICS = [("Name a colour.", "Red is a colour."), ("Name a fruit.", "An apple is a fruit."),
           ("Name a planet.", "Mars is a planet."), ("Name a metal.", "Iron is a metal."),
           ("Name an animal.", "A dog is an animal."), ("Name a drink.", "Tea is a drink."),
           ("Name a month.", "May is a month."), ("Name a day.", "Monday is a day.")]
+ASKED = ("{}", "Please: {}", "Quick: {}", "Now: {}", "Again: {}", "Tell me: {}", "Question: {}", "One more: {}")
+CONVERSATIONS = len(TOPICS) * len(ASKED)
 DROPPED = {"duplicate": 1, "last_turn_not_assistant": 1, "malformed_messages": 1}
 
 
 def sharegpt_rows() -> list[dict[str, Any]]:
-    rows = [{"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
-            for question, answer in TOPICS]
+    rows = [{"conversations": [{"from": "human", "value": way.format(question)}, {"from": "gpt", "value": answer}]}
+            for way in ASKED for question, answer in TOPICS]
     return [*rows, rows[0], {"conversations": [{"from": "human", "value": "Anyone there?"}]}, {"conversations": []}]
 
 

@@ -33,7 +33,10 @@ export function drawChart(svg, title, series) {
   const xs = all.map(([x]) => x), ys = all.map(([, y]) => y);
   let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
   if (x1 === x0) x1 = x0 + 1;
-  if (y1 === y0) [y0, y1] = [y0 - 0.5, y1 + 0.5];
+  if (y1 === y0) {  // a constant (a flat learning rate): a band around it, not around zero
+    const pad = Math.abs(y0) * 0.1 || 1;
+    [y0, y1] = [y0 - pad, y1 + pad];
+  }
   const px = x => LEFT + (x - x0) / (x1 - x0) * (WIDTH - LEFT - RIGHT);
   const py = y => HEIGHT - BOTTOM - (y - y0) / (y1 - y0) * (HEIGHT - TOP - BOTTOM);
   svg.append(node("rect", {x: LEFT, y: TOP, width: WIDTH - LEFT - RIGHT, height: HEIGHT - TOP - BOTTOM,

@@ -71,12 +71,15 @@ export function init() {
     $("clean-inputs").value = result.path;
     $("clean-output").value = `data/${stem(result.path)}-clean`;
   }));
-  $("clean-inputs").addEventListener("change", () => {
-    const chosen = $("clean-inputs").value;
-    if (chosen) $("clean-output").value = `data/${stem(chosen)}-clean`;
-  });
+  for (const id of ["clean-inputs", "clean-path"]) {
+    $(id).addEventListener("change", () => {
+      const chosen = $(id).value.trim().replace(/\/$/, "");
+      if (chosen) $("clean-output").value = `data/${stem(chosen)}-clean`;
+    });
+  }
   $("clean-button").addEventListener("click", event => busy("data", event.target, async () => {
-    const inputs = [...$("clean-inputs").selectedOptions].map(o => o.value);
+    const path = $("clean-path").value.trim();
+    const inputs = path ? [path] : [...$("clean-inputs").selectedOptions].map(o => o.value);
     const result = await post("/api/clean", {
       inputs, output_dir: $("clean-output").value, drop_ai_disclaimers: $("clean-drop-ai").checked,
       drop_refusals: $("clean-drop-refusals").checked, min_response_chars: Number($("clean-min-chars").value || 0),

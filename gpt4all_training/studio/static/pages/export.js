@@ -3,6 +3,11 @@
 import {runJob} from "../api.js";
 import {$, busy, el, listing, setOptions, showCommand} from "../ui.js";
 
+function size(bytes) {
+  const [unit, scale] = [["GB", 1e9], ["MB", 1e6], ["kB", 1e3]].find(([, s]) => bytes >= s) ?? ["bytes", 1];
+  return `${scale === 1 ? bytes : (bytes / scale).toFixed(1)} ${unit}`;
+}
+
 function defaultTarget() {
   const source = $("export-source").value;
   if (!source) return;
@@ -23,7 +28,7 @@ export function init() {
                                 });
     $("export-files").replaceChildren(...result.files.map(file => el("li", {},
       el("a", {class: "download", href: `/files/${file.path}?download=1`, download: file.path.split("/").pop(),
-               text: file.path}), ` ${(file.bytes / 1e6).toFixed(2)} MB`)));
+               text: file.path}), ` ${size(file.bytes)}`)));
   }));
 }
 

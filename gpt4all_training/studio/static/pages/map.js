@@ -61,8 +61,12 @@ export function init() {
     $("curate-train").disabled = false;
     $("curate-train").dataset.dataset = result.dataset_path;
   }));
+  // Training again: the config of the run the map was made from, on the curated folder, as a new run.
   $("curate-train").addEventListener("click", () => {
-    sessionStorage.setItem("studio-train-dataset", $("curate-train").dataset.dataset);
+    const name = shownMap.split("/").pop();
+    const run = runs.find(r => r.name === name);
+    sessionStorage.setItem("studio-train", JSON.stringify({config: run?.config ?? null, name: `${name}-curated`,
+                                                           dataset_path: $("curate-train").dataset.dataset}));
     location.hash = "#train";
   });
 }

@@ -135,7 +135,10 @@ function showRun(info) {
   if (info.report) $("run-report").href = `/files/${info.report}`;
   $("run-command").textContent = [info.command && `${info.command}   # how it was started`,
                                   info.error].filter(Boolean).join("\n");
-  if (info.log) $("run-log").textContent = info.log.join("\n");
+  if (info.log) {
+    $("run-log").textContent = info.log.join("\n");
+    $("run-log").scrollTop = $("run-log").scrollHeight;  // the newest lines
+  }
 }
 
 // The run's rows and state as server-sent events; the stream ends (and is closed here) once the run stops.
@@ -158,7 +161,9 @@ function follow(name) {
 }
 
 async function openRun(name) {
-  showRun(await get(`/api/runs/${encodeURIComponent(name)}`));
+  const info = await get(`/api/runs/${encodeURIComponent(name)}`);
+  showRun(info);
+  if (!$("train-command").textContent && info.command) showCommand("train", info.command);
   follow(name);
 }
 
@@ -205,21 +210,24 @@ export function init() {
 }
 
 export async function show() {
+  const form = await get("/api/form");
+  setOptions($("train-preset"), form.presets);  // saved configs join the presets
   if (!blocks.length) {
-    const form = await get("/api/form");
     blocks = form.blocks;
     buildForm();
-    setOptions($("train-preset"), form.presets);
     if (form.presets.includes("configs/train/chat_tiny.yaml")) $("train-preset").value = "configs/train/chat_tiny.yaml";
     setOptions($("train-accelerate-config"), form.accelerate_configs, "(none)");
     await loadPreset();
   }
-  const pending = sessionStorage.getItem("studio-train-dataset");  // set by "Train on the curated data"
+  const pending = JSON.parse(sessionStorage.getItem("studio-train"));  // from the map page's "Train on ..."
   if (pending) {
-    sessionStorage.removeItem("studio-train-dataset");
-    $("field-dataset_path").value = pending;
-    $("train-name").value = `${$("train-name").value}-curated`;
-    $("field-output_dir").value = `runs/${$("train-name").value}`;
+    sessionStorage.removeItem("studio-train");
+    $("train-name").value = pending.name;
+    if (pending.config && [...$("train-preset").options].some(o => o.value === pending.config)) {
+      $("train-preset").value = pending.config;
+    }
+    await loadPreset();
+    $("field-dataset_path").value = pending.dataset_path;
   }
   const runs = await refreshRuns();
   if (!current && runs.length) await openRun(runs[runs.length - 1].name);
