@@ -31,7 +31,7 @@ from gpt4all_training.model.loading import tokenizer_for
 from gpt4all_training.preflight.check import run_checks
 from gpt4all_training.preflight.plan import make_plan
 from gpt4all_training.studio.configs import EVAL_SUITE_DIR, load_in, presets
-from gpt4all_training.studio.workdir import MAPS_DIR, Workdir
+from gpt4all_training.studio.workdir import EVAL_DIR, MAPS_DIR, Workdir
 from gpt4all_training.training.checkpoint import FINAL_DIR, checkpoint_dirs
 
 CLI = "gpt4all-training"
@@ -222,7 +222,7 @@ def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, l
     if limit is not None and limit < 1:
         raise UserError(f"limit: must be at least 1, got {limit}")
     paths = [relative(workdir, model, "models") for model in models]
-    folders = [relative(workdir, f"eval/{name}/{label}", "name") for label in EVAL_LABELS[:len(paths)]]
+    folders = [relative(workdir, f"{EVAL_DIR}/{name}/{label}", "name") for label in EVAL_LABELS[:len(paths)]]
     settings = EvalSettings(tasks=tuple(tasks), include_paths=(str(EVAL_SUITE_DIR),), limit=limit)
     commands = [command("eval", "--model", path, "--tasks", ",".join(tasks), "--include-path", EVAL_SUITE_DIR,
                         *flag("--limit", limit), "--output", folder,

@@ -46,8 +46,8 @@ from gpt4all_training.studio.chat import ChatModels, ChatRequest
 from gpt4all_training.studio.configs import EVAL_SUITE_DIR, form_schema, preset_values, presets, save_config
 from gpt4all_training.studio.jobs import Jobs
 from gpt4all_training.studio.runs import Launch, RunConflict, Runs, accelerate_configs
-from gpt4all_training.studio.workdir import (CONFIGS_DIR, DATA_DIR, EXPORTS_DIR, MAPS_DIR, OutsideWorkdir, TooLarge,
-                                             Workdir)
+from gpt4all_training.studio.workdir import (CONFIGS_DIR, DATA_DIR, EXPORTS_DIR, MAPS_DIR, MODELS_DIR, OutsideWorkdir,
+                                             TooLarge, Workdir)
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.checkpoint import FINAL_DIR, MARKER, checkpoint_dirs
 
@@ -97,11 +97,11 @@ class Guard:
     def refusal(self, scope) -> Optional[tuple[int, str]]:
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
         host = headers.get("host", "")
-        if self.local and urlsplit(f"//{host}").hostname not in LOCAL_HOSTS:
+        if self.local and hostname(host) not in LOCAL_HOSTS:
             return 403, f"host {host!r}: the studio answers requests for this machine only (127.0.0.1, localhost)"
         origin = headers.get("origin")
-        if scope["method"] not in ("GET", "HEAD") and origin and urlsplit(origin).netloc != host:
-            return 403, f"origin {origin}: requests that change something must come from the studio's own page"
+        if scope["method"] not in ("GET", "HEAD") and origin and netloc(origin) != host:
+            return 403, f"origin {origin!r}: requests that change something must come from the studio's own page"
         path = scope["path"]
         if self.settings.api_key is None or path in OPEN_PATHS or not path.startswith(("/api/", "/files/")):
             return None
@@ -111,6 +111,20 @@ class Guard:
         if session_of(headers.get("cookie", "")) in self.sessions:
             return None
         return 401, "this studio needs its API key: send `Authorization: Bearer KEY`, or log in on the page"
+
+
+def hostname(host_header: str) -> Optional[str]:
+    try:
+        return urlsplit(f"//{host_header}").hostname
+    except ValueError:  # not a host at all ("[::1" and the like)
+        return None
+
+
+def netloc(origin: str) -> Optional[str]:
+    try:
+        return urlsplit(origin).netloc
+    except ValueError:
+        return None
 
 
 def session_of(cookie_header: str) -> Optional[str]:
@@ -302,10 +316,10 @@ def create_app(settings: StudioSettings) -> FastAPI:
                 "max_upload_bytes": settings.max_upload_bytes}
 
     @app.get("/api/files")
-    async def listing():
+    def listing():
         """What the pickers offer: data files, configs, models (runs' final/ and checkpoints, model folders under
         models/), maps and exports."""
-        models = workdir.listing("models", folders=True)
+        models = workdir.listing(MODELS_DIR, folders=True)
         models = [m for m in models if (workdir.path(m) / "config.json").is_file()]
         for run in runs.list():
             folder = workdir.path(run["output_dir"])

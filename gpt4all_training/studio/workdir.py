@@ -12,8 +12,9 @@ from typing import AsyncIterator
 from gpt4all_training.errors import UserError
 
 UPLOAD_SUFFIXES = (".jsonl",)
-# Where the studio puts what it makes; the pickers list these folders.
-DATA_DIR, CONFIGS_DIR, RUNS_DIR, EXPORTS_DIR, EVAL_DIR, MAPS_DIR = "data", "configs", "runs", "exports", "eval", "maps"
+# Where the studio puts what it makes (and models/, where a user puts base models); the pickers list these folders.
+DATA_DIR, CONFIGS_DIR, RUNS_DIR, EXPORTS_DIR, EVAL_DIR, MAPS_DIR, MODELS_DIR = (
+    "data", "configs", "runs", "exports", "eval", "maps", "models")
 
 
 class OutsideWorkdir(UserError):
