@@ -377,3 +377,27 @@ def test_the_studio_command_refuses_a_missing_key_and_a_port_in_use(capsys, tmp_
         port = taken.getsockname()[1]
         assert cli_error(capsys, "studio", "--workdir", str(tmp_path), "--port", str(port)) == (
             f"error: --port {port}: cannot listen on 127.0.0.1:{port} (in use); choose another port")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_under_accelerate_launch_the_supervisor_signals_the_worker_once(tmp_path):
+    """The real launcher between the supervisor and the training process: the worker gets the one SIGTERM (the
+    launcher would send a second, and kill it 5 s later), and the run reads as stopped although the launcher then
+    exits 1."""
+    (tmp_path / "worker.py").write_text(CHILD)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    supervisor = subprocess.Popen([sys.executable, "-m", "gpt4all_training.studio.supervise", str(tmp_path),
+                                   "accelerate", "--", accelerate, "launch", "--num_processes", "1", "-m", "worker"],
+                                  env=env)
+    deadline = time.monotonic() + 120
+    while "ready" not in ((tmp_path / LOG_FILE).read_text() if (tmp_path / LOG_FILE).exists() else ""):
+        assert time.monotonic() < deadline and supervisor.poll() is None
+        time.sleep(0.1)
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=60) == 1  # accelerate launch reports its child's 143 as a failure
+    assert "signals 1" in (tmp_path / LOG_FILE).read_text().splitlines()
+    ended = json.loads((tmp_path / EXIT_FILE).read_text())
+    assert (ended["exit_code"], ended["stop_signal"]) == (1, "SIGTERM")
+    assert run_info(Workdir(tmp_path), tmp_path)["state"] == "stopped"
