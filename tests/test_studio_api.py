@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from support.files import write_jsonl
+from support.paths import REPO
 from support.studio import CONVERSATIONS, DROPPED, make_workdir, sharegpt_rows
 
 from gpt4all_training.cli.config_options import DOC_INDENT, config_keys_help
@@ -268,6 +269,8 @@ def test_jobs_refuse_bad_input_at_once_or_fail_with_the_clis_line(client, workdi
         job = client.get(f"/api/jobs/{job['id']}").json()
     assert job["state"] == "failed" and job["error"].startswith("error: ") and "data" in job["error"], job
     assert not (workdir / "exports" / "x").exists() and not (workdir / "data" / "selection.json").exists()
+    response = client.post("/api/runs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.json() == {"error": "error: the request body is not valid JSON"}
     response = client.post("/api/chat", json={"model": "models/tiny", "messages": [{"role": "robot",
                                                                                    "content": "hi"}]})
     assert response.status_code == 400 and response.json()["error"].startswith("error: messages.0.role")
@@ -342,7 +345,7 @@ sys.exit(143)
 
 def test_the_supervisor_forwards_one_sigterm_and_records_the_exit(tmp_path):
     supervisor = subprocess.Popen([sys.executable, "-m", "gpt4all_training.studio.supervise", str(tmp_path), "python",
-                                   "--", sys.executable, "-c", CHILD])
+                                   "--", sys.executable, "-c", CHILD], cwd=REPO)
     deadline = time.monotonic() + 60
     while "ready" not in ((tmp_path / LOG_FILE).read_text() if (tmp_path / LOG_FILE).exists() else ""):
         assert time.monotonic() < deadline
@@ -386,11 +389,11 @@ def test_under_accelerate_launch_the_supervisor_signals_the_worker_once(tmp_path
     launcher would send a second, and kill it 5 s later), and the run reads as stopped although the launcher then
     exits 1."""
     (tmp_path / "worker.py").write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"}
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     supervisor = subprocess.Popen([sys.executable, "-m", "gpt4all_training.studio.supervise", str(tmp_path),
                                    "accelerate", "--", accelerate, "launch", "--num_processes", "1", "-m", "worker"],
-                                  env=env)
+                                  cwd=REPO, env=env)
     deadline = time.monotonic() + 120
     while "ready" not in ((tmp_path / LOG_FILE).read_text() if (tmp_path / LOG_FILE).exists() else ""):
         assert time.monotonic() < deadline and supervisor.poll() is None
@@ -401,3 +404,10 @@ def test_under_accelerate_launch_the_supervisor_signals_the_worker_once(tmp_path
     ended = json.loads((tmp_path / EXIT_FILE).read_text())
     assert (ended["exit_code"], ended["stop_signal"]) == (1, "SIGTERM")
     assert run_info(Workdir(tmp_path), tmp_path)["state"] == "stopped"
+
+
+def test_a_chat_with_a_model_that_is_not_there_gets_the_loaders_line(client):
+    response = client.post("/api/chat", json={"model": "runs/none/final", "messages": [{"role": "user",
+                                                                                        "content": "hi"}]})
+    assert response.status_code == 400 and response.json()["error"].startswith("error: ")
+    assert "runs/none/final" in response.json()["error"] and str(Path.cwd()) not in response.json()["error"]

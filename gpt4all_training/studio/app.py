@@ -264,6 +264,8 @@ def create_app(settings: StudioSettings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request, exc: RequestValidationError):
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            return error_response(400, "the request body is not valid JSON")
         where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
         return error_response(400, f"{where}: {first['msg']}")
 
@@ -454,8 +456,7 @@ def create_app(settings: StudioSettings) -> FastAPI:
 
     @app.post("/api/chat")
     async def chat(body: ChatRequest):
-        path = workdir.path(body.model, "model")
-        opened = await blocking(chats.open, workdir.relative(path), str(path))
+        opened = await blocking(chats.open, workdir.relative(workdir.path(body.model, "model")))
         ticket = chats.ticket(opened, body)
         return StreamingResponse(chats.stream(opened, ticket), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

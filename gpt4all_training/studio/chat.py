@@ -65,12 +65,13 @@ class ChatModels:
         self.current: Optional[OpenModel] = None
         self.lock = threading.Lock()
 
-    def open(self, name: str, path: str) -> OpenModel:
-        """The engine of model `name` (at `path`), loading it (and closing the one open before) when needed."""
+    def open(self, name: str) -> OpenModel:
+        """The engine of model `name` (a path as `serve --model` takes it), loading it (and closing the one open
+        before) when needed."""
         with self.lock:
             if self.current is None or self.current.name != name:
                 self.close_current()
-                model, tokenizer = open_model(path, self.dtype, self.device)
+                model, tokenizer = open_model(name, self.dtype, self.device)
                 engine = Engine(model, tokenizer, eos_ids(model, tokenizer), MAX_BATCH_SIZE, MAX_QUEUE)
                 engine.start()
                 self.current = OpenModel(name, engine, chat_encoder(tokenizer), context_length(model, tokenizer))
