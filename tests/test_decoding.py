@@ -9,7 +9,7 @@ import torch
 from support.models import build_tiny_gptj, build_tiny_llama
 
 from gpt4all_training.data.prompts import encode_prompts
-from gpt4all_training.evaluation.harness import decoding_hflm
+from gpt4all_training.evaluation.harness import decoding_hflm, generate_sampling
 from gpt4all_training.model.decoding import Decoder, Sampling, Sequence, decode_all
 from gpt4all_training.model.lora import apply_lora
 
@@ -150,6 +150,16 @@ def test_a_lora_model_in_training_samples_from_its_current_weights_and_stays_in_
 
 
 # ---------------------------------------------------------------- the harness's generate_until
+
+def test_a_task_s_generation_settings_mean_what_they_mean_to_transformers_generate():
+    from transformers import GenerationConfig
+
+    model_defaults = GenerationConfig(top_k=50, top_p=0.95)
+    assert generate_sampling({"do_sample": False, "temperature": 0.0}, model_defaults) == Sampling()
+    assert generate_sampling({"do_sample": True, "temperature": 0.7}, model_defaults) == Sampling(0.7, 0.95, 50)
+    assert generate_sampling({"do_sample": True, "top_k": 0}, GenerationConfig()) == Sampling(1.0)
+    assert generate_sampling({"do_sample": False, "num_beams": 4}, model_defaults) is None  # left to generate
+
 
 def harness_texts(lm, contexts: list[str], settings: dict) -> list[str]:
     from lm_eval.api.instance import Instance

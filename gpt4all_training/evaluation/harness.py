@@ -182,11 +182,12 @@ def decoding_hflm():
     """The harness's `hf` model class (HFLM) with its generation hook, `_model_generate`, decoding with our decoder.
 
     generate_until hands the hook a left-padded batch of contexts and takes back the contexts followed by the
-    generated ids (padded), which it decodes and cuts at the task's stop strings itself. Greedy text equals
-    generate's: the same ids, stopped at the model's EOS, a stop string or max_length (generate stops a batch only
-    when every row has seen a stop string, and the text is cut at the first one either way). A sampled row draws from
-    torch's global generator, which the harness seeds, through the same settings; its draws are generate's while the
-    batch is whole, and differ once a row ends, as generate goes on drawing for finished rows and we do not."""
+    generated ids (padded), which it decodes and cuts at the task's first stop string itself. Greedy text equals
+    generate's: the same ids up to the model's EOS, a stop string or max_length (generate runs a batch on until every
+    row has seen a stop string; the text after the first is cut either way). A sampled row draws from torch's global
+    generator, which the harness seeds, after the same processing: on CPU the draws are generate's until a row of the
+    batch ends, then they differ, because generate goes on drawing for finished rows and the decoder does not. Such a
+    task's score is then another sample of the same distribution, as it already is under another batch size."""
     from lm_eval.models.huggingface import HFLM
 
     class DecodingHFLM(HFLM):
