@@ -108,10 +108,9 @@ def gguf_name(name: str) -> str:
     return cleaned or "model"
 
 
-def file_metadata(license_id: str | None) -> dict:
-    """general.* keys for the converter: the license and the sampling settings the model was evaluated with."""
-    metadata = {f"general.sampling.{key}": value for key, value in SAMPLING.items()}
-    return {**metadata, "general.license": license_id} if license_id else metadata
+def file_metadata() -> dict:
+    """general.* keys for the converter's override file: the sampling settings the model was evaluated with."""
+    return {f"general.sampling.{key}": value for key, value in SAMPLING.items()}
 
 
 @dataclass
@@ -122,8 +121,7 @@ class Plan:
     quantize: tuple[Path, Path, int] | None  # (the converter's F32 file, the file, llama_ftype)
 
 
-def plan(folder: Path, tokenizer, path: Path, dtype: str, name: str, license_id: str | None = None,
-         base_pre_tokenizer: str | None = None) -> Plan:
+def plan(folder: Path, tokenizer, path: Path, dtype: str, name: str, base_pre_tokenizer: str | None = None) -> Plan:
     """The jobs that write `path` from a saved model folder (see save_for_conversion)."""
     import gguf
 
@@ -131,17 +129,20 @@ def plan(folder: Path, tokenizer, path: Path, dtype: str, name: str, license_id:
     converted = folder.with_name(f"{folder.name}-F32.gguf") if gguf_type.quantize else path
     job = llama_cpp.ConvertJob(folder, converted, gguf_type.converter, gguf_name(name),
                                pre_tokenizer_name(tokenizer, base_pre_tokenizer), template_end_of_turn(tokenizer),
-                               file_metadata(license_id))
+                               file_metadata())
     file_type = int(gguf.LlamaFileType[f"MOSTLY_{gguf_type.file_name}"]) if gguf_type.quantize else None
     return Plan(job, (converted, path, file_type) if gguf_type.quantize else None)
 
 
-def save_for_conversion(model, tokenizer, folder: Path) -> Path:
-    """The merged model as the converter reads it: fp32 safetensors, config and tokenizer files, and the
-    SentencePiece model of the folder the tokenizer came from (transformers 5 no longer saves it; the converter
-    reads Gemma 2's and Phi-3's vocabulary from it)."""
+def save_for_conversion(model, tokenizer, folder: Path, license_id: str | None = None) -> Path:
+    """The merged model as the converter reads it: fp32 safetensors, config and tokenizer files, a model card whose
+    front matter gives the license (the converter takes general.license from there), and the SentencePiece model
+    of the folder the tokenizer came from (transformers 5 no longer saves it; the converter reads Gemma 2's and
+    Phi-3's vocabulary from it)."""
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if license_id:
+        (folder / "README.md").write_text(f"---\nlicense: {license_id}\n---\n", encoding="utf-8")
     sentencepiece = Path(getattr(tokenizer, "name_or_path", "") or "") / "tokenizer.model"
     if sentencepiece.is_file():
         shutil.copy(sentencepiece, folder / "tokenizer.model")
@@ -154,8 +155,8 @@ def write_gguf(model, tokenizer, folder: Path, dtype: str, name: str, license_id
     check_architecture(model.config, dtype)
     path = folder / f"{name}-{TYPES[dtype].file_name}.gguf"
     with tempfile.TemporaryDirectory(dir=folder, prefix="convert-") as scratch:  # on the output's disk
-        saved = save_for_conversion(model, tokenizer, Path(scratch) / "model")
-        steps = plan(saved, tokenizer, path, dtype, name, license_id, base_pre_tokenizer)
+        saved = save_for_conversion(model, tokenizer, Path(scratch) / "model", license_id)
+        steps = plan(saved, tokenizer, path, dtype, name, base_pre_tokenizer)
         llama_cpp.convert([steps.convert])
         if steps.quantize:
             llama_cpp.quantize([steps.quantize])
