@@ -260,16 +260,34 @@ def check_preference(record: dict[str, Any], filters: Filters, seen: set[tuple])
     return None
 
 
-def record_line(record: dict[str, Any]) -> str:
-    """The output line: a conversation as {"messages", "source"}, a preference pair as {"prompt", "chosen",
-    "rejected", "source"}, a single turn as {"source", "prompt", "response"}."""
-    if "messages" in record:
+def written_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """What clean.py writes of a record: a conversation as {"messages", "source"}, a preference pair as {"prompt",
+    "chosen", "rejected", "source"}, a single turn as {"source", "prompt", "response"}."""
+    if record.get("messages") is not None:
         keys: tuple[str, ...] = ("messages", "source")
-    elif "chosen" in record:
+    elif record.get("chosen") is not None:
         keys = (*PAIR_FIELDS, "source")
     else:
         keys = ("source", "prompt", "response")
-    return json.dumps({key: record[key] for key in keys}, ensure_ascii=False) + "\n"
+    return {key: record[key] for key in keys}
+
+
+def record_line(record: dict[str, Any]) -> str:
+    return json.dumps(written_fields(record), ensure_ascii=False) + "\n"
+
+
+def dataset_row_record(row: dict[str, Any], default_source: str) -> dict[str, Any]:
+    """The record clean.py wrote, from a row read back from a dataset: a column fills the rows (and, as a list of
+    structs, the messages) that lack it with None, which clean.py never writes."""
+    def unfilled(value: Any) -> Any:
+        if isinstance(value, list):
+            return [unfilled(item) for item in value]
+        if isinstance(value, dict):
+            return {key: unfilled(item) for key, item in value.items() if item is not None}
+        return value
+
+    record = {key: unfilled(value) for key, value in row.items() if value is not None}
+    return written_fields({**record, "source": record.get("source", default_source)})
 
 
 def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], oasst: str = "paths") -> FileReport:
