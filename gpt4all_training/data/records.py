@@ -170,7 +170,17 @@ def load_table(dataset_path: str, revision: Optional[str], files: Sequence[str] 
     try:
         if files is None:
             return datasets.load_dataset(dataset_path, revision=revision, split="train")
-        table = datasets.load_dataset("json", data_files=list(files), split="train")
+        try:
+            table = datasets.load_dataset("json", data_files=list(files), split="train")
+        except datasets.exceptions.DatasetGenerationError:
+            bad_line = first_bad_line(files)
+            if bad_line:
+                raise UserError(bad_line) from None
+            # datasets takes the fields' types from the first 10 MB of the first file: records of another shape
+            # further on (a file of conversations beside one of prompt/response pairs, messages that gain a key)
+            # cannot be cast to them. Their types over every record can.
+            table = datasets.load_dataset("json", data_files=list(files), features=record_features(files),
+                                          split="train")
     except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
         raise cannot_load(dataset_path, exc) from None
     except datasets.exceptions.DatasetGenerationError as exc:
@@ -181,6 +191,28 @@ def load_table(dataset_path: str, revision: Optional[str], files: Sequence[str] 
     except pa.ArrowInvalid as exc:
         raise unreadable_jsonl(dataset_path, files, exc, advice) from None
     return table
+
+
+def record_features(files: Sequence[str]):
+    """The `datasets.Features` of every field over every record of `files` (a field a record lacks is None there):
+    messages as a list of JSON values (each message keeps exactly its own keys), a field of one plain type as that
+    type, anything else as JSON."""
+    from datasets import Features, Json, List, Value
+
+    plain = {frozenset({str}): "string", frozenset({bool}): "bool", frozenset({int}): "int64",
+             frozenset({float}): "float64", frozenset({int, float}): "float64"}
+    types: dict[str, set[type]] = {}
+    for file in files:
+        for where, record in iter_records(file):
+            for key, value in record.items():
+                if key == "messages" and value is not None and not isinstance(value, list):
+                    raise UserError(f"{where}: field 'messages' is {type(value).__name__}, not a list of messages")
+                types.setdefault(key, set()).add(type(value))
+    features = {}
+    for key, seen in types.items():
+        kind = plain.get(frozenset(seen - {type(None)}))
+        features[key] = List(Json()) if key == "messages" else Value(kind) if kind else Json()
+    return Features(features)
 
 
 def holds_text(path: Path) -> bool:
