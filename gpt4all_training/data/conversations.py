@@ -4,9 +4,9 @@ A conversation record is `{"messages": [{"role", "content"}, ...], "source": ...
 `assistant` and `tool`. A message may also carry what chat templates read (`tool_calls` on an assistant turn, `name`
 and `tool_call_id` on a tool turn) and our own `"train": false`, which keeps an assistant turn as context only.
 
-Read from: OpenAI `messages`, ShareGPT `conversations` (`from`/`value`), and OpenAssistant message trees as whole
-threads. Nothing here raises for bad data: a parser returns a list of messages or the drop reason (a string), which
-clean.py counts and data.py counts the same way.
+Read from: OpenAI `messages`, ShareGPT `conversations` (`from`/`value`), TRL's conversational prompt/completion, and
+OpenAssistant message trees as whole threads. Nothing here raises for bad data: a parser returns a list of messages
+or the drop reason (a string), which clean.py counts and data.py counts the same way.
 """
 
 from __future__ import annotations
@@ -120,6 +120,26 @@ def sharegpt_messages(obj: dict[str, Any]) -> list[dict[str, Any]] | str:
         if role is None:
             return "unknown_role"
         messages.append(message(role, turn.get("value"), turn))
+    return conversation_problem(messages) or messages
+
+
+def prompt_completion_messages(obj: dict[str, Any]) -> list[dict[str, Any]] | str:
+    """TRL's conversational prompt/completion (two lists of messages; a string is the user's turn, or the assistant's
+    answer) -> one conversation, or a drop reason. The prompt's assistant turns are context ("train": false): TRL
+    trains the completion only."""
+    parts = []
+    for name, role in (("prompt", "user"), ("completion", "assistant")):
+        value = obj.get(name)
+        if value is None:
+            return f"missing_{name}"
+        if isinstance(value, str):
+            parts.append([message(role, value, {})])
+        elif isinstance(value, list) and all(isinstance(m, dict) for m in value):
+            parts.append([message(m.get("role"), m.get("content"), m) for m in value])
+        else:
+            return "malformed_messages"
+    prompt, completion = parts
+    messages = [{**m, "train": False} if m["role"] == "assistant" else m for m in prompt] + completion
     return conversation_problem(messages) or messages
 
 
