@@ -132,6 +132,21 @@ def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield f"{dataset_path} record {number}", record
 
 
+def record_location(dataset_path: str, index: int) -> str:
+    """Where record `index` (load_records' stable index) lies: `file:line` for local data (datasets skips blank lines,
+    as this count does), else `record N of PATH`."""
+    files = local_data_files(Path(dataset_path).expanduser())
+    number = 0
+    for file in files or []:
+        with open(file, "rb") as f:
+            for line, raw in enumerate(f, start=1):
+                if raw.strip():
+                    if number == index:
+                        return f"{file}:{line}"
+                    number += 1
+    return f"record {index} of {dataset_path}"
+
+
 def first_bad_line(files: Sequence[str]) -> str | None:
     """What is wrong with the first line of `files` that is not a JSON object of valid text, naming the file and the
     line, or None. Run only after datasets failed to read them: its own error names neither."""
