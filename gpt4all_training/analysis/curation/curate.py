@@ -211,13 +211,15 @@ def drop_duplicates(rows: Rows, decisions: Decisions, options: CurateOptions) ->
     candidates = decisions.kept
     if options.embedder == "minilm":
         where = np.flatnonzero(candidates)
-        found = record_embeddings([rows.prompts[i] for i in where], [rows.responses[i] for i in where])
-        vectors = np.zeros((len(rows.index), found.shape[1]), dtype=np.float32)
-        vectors[where] = found
+        sides = []
+        for found in record_embeddings([rows.prompts[i] for i in where], [rows.responses[i] for i in where]):
+            side = np.zeros((len(rows.index), found.shape[1]), dtype=np.float32)
+            side[where] = found
+            sides.append(side)
     else:
         # centred first: the direction every hidden state shares says nothing about a pair
-        vectors = unit_rows(rows.embeddings - rows.embeddings.mean(axis=0))
-    near = near_duplicates(vectors, candidates, options.near_duplicates, options.seed)
+        sides = [unit_rows(rows.embeddings - rows.embeddings.mean(axis=0))]
+    near = near_duplicates(sides, candidates, options.near_duplicates, options.seed)
     found = near.duplicate_of >= 0
     decisions.drop(found, "near_duplicate")
     decisions.duplicate_of[found], decisions.similarity[found] = near.duplicate_of[found], near.similarity[found]
