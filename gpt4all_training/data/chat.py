@@ -64,11 +64,11 @@ def conversation_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]], li
         raw = [{"role": "user", "content": row.get("prompt")}, {"role": "assistant", "content": row.get("response")}]
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
         return "malformed_messages"
-    messages = [{k: v for k, v in m.items() if v is not None and k != "train"} for m in raw]
-    problem = conversation_problem(messages)
+    present = [{k: v for k, v in m.items() if v is not None} for m in raw]
+    problem = conversation_problem(present)
     if problem:
         return problem
-    return messages, [trained(m) for m in raw]
+    return [{k: v for k, v in m.items() if k != "train"} for m in present], [trained(m) for m in present]
 
 
 def rounds_start(messages: list[dict[str, Any]]) -> list[int]:

@@ -12,17 +12,17 @@ A record's text is its `text_field`, or, when that is unset, its `text` or `cont
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from gpt4all_training.data.conversations import is_text
+from gpt4all_training.data.conversations import is_text, messages_type_problem
 from gpt4all_training.errors import UserError
 
 TEXT_FIELDS = ("text", "content")
+SCHEMA_ADVICE = "fix the record, or run clean.py on the raw data, which counts such records as dropped"
 
 
 # ---------------------------------------------------------------- where the records are
@@ -33,7 +33,7 @@ def local_text_files(dataset_path: str) -> Optional[list[Path]]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(path.glob("*.jsonl"))
+        files = folder_files(path, "*.jsonl")
         if not files:
             raise UserError(f"dataset_path: no *.jsonl files in {path}")
         return files
@@ -47,9 +47,19 @@ def local_data_files(path: Path) -> list[str] | None:
     if path.is_file():
         return [str(path)]
     if path.is_dir():
-        files = sorted(glob.glob(str(path / "*_clean.jsonl")))
-        return files or None
+        return [str(file) for file in folder_files(path, "*_clean.jsonl")] or None
     return None
+
+
+def folder_files(folder: Path, pattern: str) -> list[Path]:
+    """The files in `folder` that match `pattern`, sorted, hidden ones (macOS's ._x_clean.jsonl) left out; a folder
+    that matches it is a UserError rather than a file to open."""
+    found = sorted(path for path in folder.glob(pattern) if not path.name.startswith("."))
+    folders = [path for path in found if path.is_dir()]
+    if folders:
+        raise UserError(f"dataset_path {folder}: {folders[0].name} is a folder named like a data file; rename it or "
+                        f"move it out of the dataset folder")
+    return found
 
 
 def cannot_load(dataset_path: str, exc: Exception) -> UserError:
@@ -126,7 +136,11 @@ def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
                         f"data first")
     if files is not None:
         for file in files:
-            yield from iter_records(file)
+            for where, record in iter_records(file):
+                problem = messages_type_problem(record.get("messages"))
+                if problem:
+                    raise UserError(f"{where}: {problem}; {SCHEMA_ADVICE}")
+                yield where, record
         return
     for number, record in enumerate(load_records(dataset_path)):  # a Hub id (raises a one-line UserError)
         yield f"{dataset_path} record {number}", record
@@ -255,9 +269,23 @@ def load_records(dataset_path: str, revision: str | None = None):
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
     if missing and "messages" not in ds.column_names:
         raise UserError(f"dataset_path {dataset_path}: records lack the field {missing[0]!r}; run clean.py first")
+    if "messages" in ds.column_names:
+        refuse_wrong_types(ds, dataset_path)
     if "index" in ds.column_names:  # a record's own "index" gives way to the stable one (training never reads it)
         ds = ds.remove_columns("index")
     return ds.add_column("index", list(range(len(ds))))
+
+
+def refuse_wrong_types(ds, dataset_path: str) -> None:
+    """One UserError, naming the file and line, for the first record whose messages hold a field of the wrong type
+    (conversations.field_problem): a "train": "false" would otherwise be trained."""
+    number = 0
+    for batch in ds.select_columns(["messages"]).iter(batch_size=1024):
+        for messages in batch["messages"]:
+            problem = messages_type_problem(messages)
+            if problem:
+                raise UserError(f"{record_location(dataset_path, number)}: {problem}; {SCHEMA_ADVICE}")
+            number += 1
 
 
 def records_fingerprint(ds, columns: Sequence[str] = ("prompt", "response", "messages")) -> str:
