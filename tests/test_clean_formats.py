@@ -149,3 +149,11 @@ def test_a_folder_holds_every_kind_and_not_clean_outputs(tmp_path):
     report = clean([str(raw)], raw)
     assert sorted(Path(name).name for name in report["files"]) == ["a.jsonl", "b.json", "c.parquet", "d.csv"]
     assert report["total"] == {"lines": 4, "read": 4, "kept": 4}
+
+
+def test_a_folder_named_like_a_data_file_in_an_input_folder_is_one_line(tmp_path):
+    write_jsonl(tmp_path / "raw" / "a.jsonl", [{"prompt": "A?", "response": "a"}])
+    (tmp_path / "raw" / "b.jsonl").mkdir()
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'raw' / 'b.jsonl'}: a folder named like a data file; rename "
+                                        rf"it or move it out of {tmp_path / 'raw'}$"):
+        clean([str(tmp_path / "raw")], tmp_path / "out")
