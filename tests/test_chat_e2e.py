@@ -132,7 +132,25 @@ def test_gguf_carries_the_template_and_the_end_of_turn_token(chat_gguf, chat_tok
         'FROM ./tiny-chat-Q8_0.gguf\n'
         'TEMPLATE """{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}'
         '<|im_start|>assistant\n"""\n'
-        'PARAMETER stop "<|endoftext|>"\nPARAMETER stop "<|im_end|>"\n')
+        'PARAMETER stop "<|endoftext|>"\nPARAMETER stop "<|im_end|>"\n'
+        'PARAMETER temperature 0\nPARAMETER top_k 0\nPARAMETER top_p 1\nPARAMETER repeat_penalty 1\n')
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_llama_cpp_chats_with_the_exported_model_in_its_own_template(chat_gguf):
+    """A current llama.cpp applies the file's chat template itself (nothing of ours renders the prompt) and answers
+    both turns as training taught, each reply ending at the end-of-turn token."""
+    from gpt4all_training.export.llama_cpp import LlamaCppModel
+
+    replies = []
+    with LlamaCppModel(chat_gguf / "tiny-chat-Q8_0.gguf") as model:
+        for question, first, _ in TOPICS:
+            conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            answer, stopped = model.chat(conversation, max_tokens=16)
+            conversation += [{"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UP}]
+            replies.append((answer, stopped, *model.chat(conversation, max_tokens=16)))
+    assert replies == [(first, True, second, True) for _, first, second in TOPICS]
 
 
 @pytest.mark.integration

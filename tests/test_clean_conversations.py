@@ -89,6 +89,30 @@ def test_every_drop_reason_of_a_conversation_is_counted(tmp_path):
     assert [r["messages"] for r in records] == [[SYSTEM, *ROUND], [user, user, answer]]
 
 
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+# (a message field of the wrong type, the reason it is counted under); issue 28's "train": "false" and 0 first.
+WRONG_TYPES = [({"train": "false"}, "non_boolean_train"), ({"train": 0}, "non_boolean_train"),
+               ({"train": 1}, "non_boolean_train"), ({"content": 3}, "non_string_content")]
+WRONG_TOOL_TYPES = [({"name": 3}, "non_string_name"), ({"tool_call_id": ["c1"]}, "non_string_tool_call_id")]
+WRONG_CALLS = [("call f", "malformed_tool_calls"), ([{"function": "f"}], "malformed_tool_calls"),
+               ([{"function": {"arguments": "{}"}}], "malformed_tool_calls")]
+
+
+def test_every_field_of_the_wrong_type_is_counted_never_dropped_silently(tmp_path):
+    user, answer = ROUND
+    rows = [{"messages": [user, {**answer, **field}]} for field, _ in WRONG_TYPES]
+    rows += [{"messages": [user, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                           {"role": "tool", "content": "42", **field}, answer]} for field, _ in WRONG_TOOL_TYPES]
+    rows += [{"messages": [user, {"role": "assistant", "content": "", "tool_calls": calls}, answer]}
+             for calls, _ in WRONG_CALLS]
+    rows.append({"messages": [user, {**answer, "train": True}], "source": "kept"})  # true is the default
+    entry, records = clean_rows(tmp_path, rows)
+    expected = Counter(reason for _, reason in WRONG_TYPES + WRONG_TOOL_TYPES + WRONG_CALLS)
+    assert entry["dropped"] == dict(expected) and entry["kept"] == 1
+    assert entry["read"] == entry["kept"] + entry["dropped_total"] == len(rows)
+    assert records == [{"messages": [user, answer], "source": "kept"}]
+
+
 def test_filters_read_only_the_trained_answers(tmp_path):
     disclaimer = "As an AI language model, I cannot."
     rows = [{"messages": [ROUND[0], {"role": "assistant", "content": disclaimer, "train": False},

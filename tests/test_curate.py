@@ -12,6 +12,7 @@ import pytest
 
 from support.files import read_jsonl, write_jsonl
 from support.inference_runs import write_inference_run
+from support.paths import OASST
 from gpt4all_training.analysis.curation.curate import REMOVED_FILE, REPORT_FILE, CurateOptions, curate, read_ids
 from gpt4all_training.analysis.inference import run_inference
 from gpt4all_training.config.blocks import validate
@@ -66,6 +67,41 @@ def test_planted_near_duplicates_are_found_on_minilm_embeddings(planted_duplicat
     near = report["rules"]["near_duplicates"]
     assert near["embedder"] == "minilm" and near["nearest_similarity"]["records"] == originals + 20
     assert report["read"] == report["kept"] + report["dropped_total"] == originals + 30
+
+
+@pytest.mark.slow
+def test_sibling_replies_are_near_duplicates_only_when_their_answers_are(tmp_path):
+    """OpenAssistant's sibling replies share their whole thread (the prompt) and differ in their last answer. A pair
+    is as similar as its less similar side: a shared prompt cannot make two different answers duplicates, as the
+    mean of the two sides did (answers 0.8 apart reached 0.9)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from gpt4all_training.analysis.curation.embeddings import minilm_embeddings, minilm_path
+    from gpt4all_training.data.chat import conversation_text
+    from gpt4all_training.data.conversations import oasst_threads
+
+    threads = [t for line in OASST.read_text().splitlines()[:10] for t in oasst_threads(json.loads(line), "paths")]
+    prompts, responses = zip(*(conversation_text(messages) for messages in threads))
+    rng = np.random.default_rng(0)
+    run = write_inference_run(tmp_path / "run", rng.standard_normal((len(threads), 4)).astype(np.float32),
+                              np.ones(len(threads)),
+                              list(prompts), response=list(responses))
+    report = curate(run, tmp_path / "out", CurateOptions(near_duplicates=0.9))
+    assert report["read"] == report["kept"] + report["dropped_total"] == len(threads)
+
+    path = minilm_path()
+    model, tokenizer = AutoModel.from_pretrained(str(path)).eval(), AutoTokenizer.from_pretrained(str(path))
+    prompt_cos = (lambda e: e @ e.T)(minilm_embeddings(list(prompts), "end", model, tokenizer))
+    answer_cos = (lambda e: e @ e.T)(minilm_embeddings(list(responses), "start", model, tokenizer))
+    merged_by_the_mean = {i for i in range(len(threads)) for j in range(i) if prompts[i] == prompts[j]
+                          and answer_cos[i, j] < 0.9 <= (1 + answer_cos[i, j]) / 2}
+    dropped = {r["index"]: r for r in removed(tmp_path / "out")}
+    assert len(merged_by_the_mean) >= 5  # the fixture holds the reported case
+    for i, entry in dropped.items():
+        j = entry["duplicate_of"]
+        assert min(prompt_cos[i, j], answer_cos[i, j]) == pytest.approx(entry["similarity"], abs=1e-3)
+        assert answer_cos[i, j] >= 0.9 - 1e-3 and prompt_cos[i, j] >= 0.9 - 1e-3
+    assert merged_by_the_mean - set(dropped)  # distinct answers to one thread are kept
 
 
 # ---------------------------------------------------------------- broken labels

@@ -353,3 +353,47 @@ def test_a_template_that_changes_the_message_is_rendered_whole(chat_tokenizer):
         assert chat_tokenizer.decode(ids) == "<|im_start|>WHAT IS 2 + 2?<|im_end|>"
     finally:
         chat_tokenizer.chat_template = CHAT_TEMPLATE
+
+
+# ---------------------------------------------------------------- the record schema (issue 28)
+
+@pytest.mark.parametrize("field, words", [
+    ({"train": "false"}, "field 'train' is str (\"false\"), not true or false"),
+    ({"train": 0}, "field 'train' is int (0), not true or false"),
+    ({"content": ["a"]}, "field 'content' is list ([\"a\"]), not text"),
+    ({"tool_calls": "f()"}, "field 'tool_calls' is not a list of {\"function\": {\"name\", \"arguments\"}}"),
+])
+def test_a_message_field_of_the_wrong_type_is_refused_naming_file_line_and_key(tmp_path, field, words):
+    """Training reads "train": "false" as the wrong type, not as true: one line, whichever reader meets it."""
+    from gpt4all_training.data.records import finetune_records
+
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    bad = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", **field}]}
+    path = write_jsonl(tmp_path / "chat_clean.jsonl", [good, bad, good])
+    expected = (f"{path}:2: message 2: {words}; fix the record, or run clean.py on the raw data, which counts such "
+                f"records as dropped")
+    with pytest.raises(UserError) as error:
+        load_records(str(tmp_path))
+    assert str(error.value) == expected
+    with pytest.raises(UserError) as error:
+        list(finetune_records(str(tmp_path)))  # what `check` reads
+    assert str(error.value) == expected
+
+
+@pytest.mark.parametrize("pattern", ["x_clean.jsonl", "notes.jsonl"])
+def test_a_folder_named_like_a_data_file_is_one_line(tmp_path, clean_dolly, pattern):
+    """A folder inside the dataset folder whose name matches its files, for fine-tuning data and raw text."""
+    from gpt4all_training.data.records import iter_texts
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dolly_clean.jsonl").write_bytes((clean_dolly / "dolly-sample_clean.jsonl").read_bytes())
+    (tmp_path / "data" / pattern).mkdir()
+    message = f"dataset_path {tmp_path / 'data'}: {pattern} is a folder named like a data file; rename it or move " \
+              f"it out of the dataset folder"
+    if pattern.endswith("_clean.jsonl"):
+        with pytest.raises(UserError) as error:
+            load_records(str(tmp_path / "data"))
+        assert str(error.value) == message
+    with pytest.raises(UserError) as error:
+        next(iter_texts(str(tmp_path / "data"), text_field="prompt"))
+    assert str(error.value) == message

@@ -14,8 +14,9 @@ from support.files import write_jsonl
 from support.models import build_tiny_gptj
 from support.paths import PYTHON, REPO
 from gpt4all_training.data.prompts import encode_prompts, format_prompt
-from gpt4all_training.generation.generate import (Sampling, cut_at_stop, eos_token_ids, generate_ids, generate_texts,
-                                       next_tokens, process_logits)
+from gpt4all_training.generation.generate import generate_texts
+from gpt4all_training.model.decoding import (Sampling, Sequence, cut_at_stop, decode_all, eos_token_ids, next_tokens,
+                                             process_logits)
 
 PROMPTS = ["Which is a species of fish? Tope or Rope", "Why can camels survive for long without water?",
            "Name three primary colours."]
@@ -27,6 +28,18 @@ def kept(scores: torch.Tensor) -> list[int]:
 
 def no_seen(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(logits, dtype=torch.bool)
+
+
+def draw(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling, generator=None) -> torch.Tensor:
+    """Every row of `logits` under one sampling and one generator."""
+    return next_tokens(logits, seen, [sampling] * len(logits), [generator] * len(logits))
+
+
+def generate_ids(model, tokenizer, prompt_ids: list[list[int]], eos_ids: set[int], max_new_tokens: int,
+                 sampling: Sampling) -> list[list[int]]:
+    """The ids the decoder generates after each prompt, all in one batch."""
+    sequences = [Sequence(ids, max_new_tokens, sampling) for ids in prompt_ids]
+    return [s.ids for s in decode_all(model, tokenizer, sequences, eos_ids, batch_size=len(sequences))]
 
 
 # ---------------------------------------------------------------- the pure sampling function
@@ -64,8 +77,8 @@ def test_repetition_penalty_comes_before_top_k():
 def test_greedy_is_the_argmax_after_the_penalty():
     logits = torch.tensor([[3.0, 2.9, 1.0], [0.0, 1.0, 2.0]])
     seen = torch.tensor([[True, False, False], [False, False, False]])
-    assert next_tokens(logits, seen, Sampling(temperature=0.0)).tolist() == [0, 2]
-    assert next_tokens(logits, seen, Sampling(temperature=0.0, repetition_penalty=1.5)).tolist() == [1, 2]
+    assert draw(logits, seen, Sampling(temperature=0.0)).tolist() == [0, 2]
+    assert draw(logits, seen, Sampling(temperature=0.0, repetition_penalty=1.5)).tolist() == [1, 2]
 
 
 def test_defaults_leave_logits_unchanged():
@@ -76,7 +89,7 @@ def test_defaults_leave_logits_unchanged():
 def test_draws_follow_the_filtered_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
     generator = torch.Generator().manual_seed(0)
-    draws = next_tokens(logits, no_seen(logits), Sampling(temperature=1.0, top_k=2), generator)
+    draws = draw(logits, no_seen(logits), Sampling(temperature=1.0, top_k=2), generator)
     counts = torch.bincount(draws, minlength=4).tolist()
     assert counts[2] == counts[3] == 0
     # kept mass renormalised: 0.625 / 0.375; 4000 draws put the share within about 0.024 (3 sigma)
@@ -110,15 +123,15 @@ def test_greedy_cached_loop_matches_argmax_loop(model, tokenizer):
     ids = tokenizer(format_prompt(PROMPTS[0], tokenizer, "plain"))["input_ids"]
     assert encode_prompts([PROMPTS[0]], tokenizer, "plain") == [ids]
     expected = argmax_loop(model, ids, 16)
-    got = generate_ids(model, [ids], tokenizer.pad_token_id, set(), 16, Sampling(temperature=0.0))
+    got = generate_ids(model, tokenizer, [ids], set(), 16, Sampling(temperature=0.0))
     assert got == [expected]
 
 
 def test_left_padded_batch_matches_single_prompts(model, tokenizer):
     prompt_ids = encode_prompts(PROMPTS, tokenizer, "plain")
     assert len({len(ids) for ids in prompt_ids}) == 3  # really padded
-    batched = generate_ids(model, prompt_ids, tokenizer.pad_token_id, set(), 12, Sampling())
-    single = [generate_ids(model, [ids], tokenizer.pad_token_id, set(), 12, Sampling())[0] for ids in prompt_ids]
+    batched = generate_ids(model, tokenizer, prompt_ids, set(), 12, Sampling())
+    single = [generate_ids(model, tokenizer, [ids], set(), 12, Sampling())[0] for ids in prompt_ids]
     assert batched == single
 
 
@@ -127,8 +140,8 @@ def test_greedy_stops_at_the_first_eos(model, tokenizer):
     sequence = argmax_loop(model, ids, 20)
     # Call the first token the model emits that it has not emitted before (after two tokens) "EOS".
     k = next(i for i in range(2, 20) if sequence[i] not in sequence[:i])
-    first = generate_ids(model, [ids], tokenizer.pad_token_id, {sequence[k]}, 20, Sampling())
-    again = generate_ids(model, [ids], tokenizer.pad_token_id, {sequence[k]}, 20, Sampling())
+    first = generate_ids(model, tokenizer, [ids], {sequence[k]}, 20, Sampling())
+    again = generate_ids(model, tokenizer, [ids], {sequence[k]}, 20, Sampling())
     assert first == again == [sequence[:k]]
 
 
@@ -139,7 +152,7 @@ def test_generate_texts_ends_at_the_tokenizer_eos(tokenizer):
     with torch.no_grad():
         model.lm_head.bias[eos] += 100.0  # EOS is now every step's argmax
     prompt_ids = encode_prompts(PROMPTS, tokenizer, "plain")
-    assert generate_ids(model, prompt_ids, tokenizer.pad_token_id, {eos}, 10, Sampling()) == [[], [], []]
+    assert generate_ids(model, tokenizer, prompt_ids, {eos}, 10, Sampling()) == [[], [], []]
     assert generate_texts(model, tokenizer, PROMPTS, "plain", 10) == ["", "", ""]
 
 
@@ -165,16 +178,14 @@ def test_no_tokens_are_added_to_the_tokenizer(model, tokenizer):
     assert (len(tokenizer), dict(tokenizer.special_tokens_map)) == before
 
 
-def test_logits_past_the_tokenizer_are_never_chosen(model, tokenizer):
+def test_logits_past_the_tokenizer_are_never_chosen(tokenizer):
+    model = build_tiny_gptj(tokenizer, seed=3).eval()
+    model.resize_token_embeddings(len(tokenizer) + 8)  # embedding rows the tokenizer has no token for
     with torch.no_grad():
-        model.lm_head.bias[len(tokenizer) - 1] += 100.0  # pretend the last id is an untrained padding row
-    try:
-        ids = encode_prompts([PROMPTS[0]], tokenizer, "plain")
-        out = generate_ids(model, ids, tokenizer.pad_token_id, set(), 5, Sampling(), vocab_size=len(tokenizer) - 1)
-        assert out[0] and len(tokenizer) - 1 not in out[0]
-    finally:
-        with torch.no_grad():
-            model.lm_head.bias[len(tokenizer) - 1] -= 100.0
+        model.lm_head.bias[len(tokenizer) + 2] += 100.0  # an untrained padding row that wins every argmax
+    ids = encode_prompts([PROMPTS[0]], tokenizer, "plain")
+    out = generate_ids(model, tokenizer, ids, set(), 5, Sampling())
+    assert len(out[0]) == 5 and max(out[0]) < len(tokenizer)
 
 
 # ---------------------------------------------------------------- command line

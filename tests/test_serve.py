@@ -25,10 +25,11 @@ from support.launch import free_port
 from support.models import build_tiny_gptj
 from support.paths import PYTHON, REPO
 from gpt4all_training.data.chat import encode_for_generation
+from gpt4all_training.model.decoding import Sampling, Sequence, next_tokens
 from gpt4all_training.serving.chat import chat_encoder, end_of_turn_ids, render
-from gpt4all_training.serving.decoding import Sampling, TextStream, held_back, next_tokens, sample
 from gpt4all_training.serving.engine import Choice, Engine, QueueFull, Ticket
 from gpt4all_training.serving.protocol import APIError, ChatRequest, CompletionRequest, parse
+from gpt4all_training.serving.streaming import TextStream, held_back
 
 STARTUP_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 60
@@ -39,34 +40,36 @@ PROMPTS = [f"Question {i}: what does the {word} do" + " and then" * (i % 5)
 
 # ---------------------------------------------------------------- pure pieces
 
-class CharTokenizer:
-    """decode() of a list of code points, enough for TextStream."""
+PIECES = ["a", "b", "S", "T", "x", "S", "TOP", "zz"]
 
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(map(chr, ids))
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """One row's token, drawn alone."""
+    return int(next_tokens(logits[None], torch.zeros_like(logits[None], dtype=torch.bool), [sampling], [generator]))
 
 
 def test_a_stream_holds_back_what_a_stop_string_may_still_become():
     assert held_back("hello wor", ["world"]) == 3
     assert held_back("hello", ["world"]) == 0
     assert held_back("abc\ufffd", []) == 1  # a partial UTF-8 character waits for its last byte
-    stream = TextStream(CharTokenizer(), ["STOP"])
+    sequence = Sequence([0], 100, stop=("STOP",), live_text=True)
+    stream = TextStream(sequence)
     sent = []
-    for text in ["a", "ab", "abS", "abST", "abSTx", "abSTxS", "abSTxSTOP", "abSTxSTOPzz"]:
-        stopped = stream.update([ord(c) for c in text])
+    for token in range(len(PIECES)):  # token i is PIECES[i]
+        sequence.add(token, None, (), lambda ids: "".join(PIECES[i] for i in ids))
         sent.append(stream.sendable())
-        if stopped:
+        if sequence.finished:
             break
     assert sent == ["a", "b", "", "", "STx", "", ""]
-    assert stream.text == "abSTx" and stream.stopped and stream.flush() == ""
+    assert sequence.text == "abSTx" and sequence.finish_reason == "stop" and stream.sendable() == ""
 
 
 def test_each_row_samples_with_its_own_generator_and_greedy_rows_take_the_argmax():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     hot = Sampling(temperature=1.0)
     alone = sample(logits[1], hot, torch.Generator().manual_seed(7))
-    rows = next_tokens(logits, [Sampling(0.0), hot, hot],
-                       [None, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)])
+    rows = next_tokens(logits, torch.zeros_like(logits, dtype=torch.bool), [Sampling(0.0), hot, hot],
+                       [None, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]).tolist()
     assert rows[0] == int(logits[0].argmax()) and rows[1] == alone
 
 

@@ -10,16 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from gpt4all_training.data.clean import OASST_MODES, Filters, clean
+from gpt4all_training.data.raw_files import SUFFIXES, read_units
 from gpt4all_training.errors import UserError
 
 # What clean.py reads, for the error when it keeps nothing (data/clean.py's docstring has the details).
 FORMATS = ("gpt4all records (prompt, response), Dolly (instruction, context, response), OpenAI messages, ShareGPT "
-           "conversations, OpenAssistant message trees (message_tree_id, or a prompt with replies) and preference "
-           "pairs (chosen, rejected: TRL, UltraFeedback-binarized, HH-RLHF)")
+           "conversations, Alpaca (instruction, input, output), TRL prompt/completion (text or messages), "
+           "OpenAssistant message trees (message_tree_id, or a prompt with replies) and preference pairs (chosen, "
+           "rejected: TRL, UltraFeedback-binarized, HH-RLHF), as JSON Lines, a JSON array, Parquet or CSV")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", help="JSONL files or folders of them")
+    parser.add_argument("inputs", nargs="+", help=f"data files ({', '.join(SUFFIXES)}; anything else is read as JSON "
+                                                  f"Lines) or folders of them")
     parser.add_argument("--output-dir", required=True, help="where <name>_clean.jsonl and clean_report.json go")
     parser.add_argument("--drop-ai-disclaimers", action="store_true", help="drop responses that say they are an AI")
     parser.add_argument("--drop-refusals", action="store_true", help="drop apology and refusal answers")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def nothing_kept(report: dict[str, Any]) -> str:
-    """The error line of a run that kept no record: the drop reasons in words, what the first line holds, and the
+    """The error line of a run that kept no record: the drop reasons in words, what the first record holds, and the
     formats clean.py reads."""
     dropped = Counter({key.split(":", 1)[1]: count for key, count in report["total"].items()
                        if key.startswith("dropped:")})
@@ -62,15 +65,14 @@ def nothing_kept(report: dict[str, Any]) -> str:
 
 
 def first_record_fields(report: dict[str, Any]) -> str:
-    """", whose first line has the fields a, b" for the first input whose first line is a JSON object, else ""."""
+    """", whose first line has the fields a, b" for the first input that holds a record (its first record: a CSV
+    file's header, a Parquet file's columns), else ""."""
     for name in report["files"]:
         try:
-            with open(name, "rb") as f:
-                line = next((raw for raw in f if raw.strip()), b"")
-            record = json.loads(line.decode("utf-8-sig"))
-        except (OSError, ValueError):
+            record = next((unit for unit in read_units(Path(name)) if isinstance(unit, dict)), None)
+        except (OSError, UserError):
             continue
-        if isinstance(record, dict):
+        if record is not None:
             return f" ({name}'s first line has the fields: {', '.join(map(str, record)) or 'none'})"
     return ""
 

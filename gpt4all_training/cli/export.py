@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", required=True, help="output folder (created; must not hold files)")
     parser.add_argument("--format", choices=("hf", "gguf"), required=True,
                         help="hf: safetensors folder for transformers; gguf: one file for llama.cpp and GPT4All")
-    parser.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0"),
-                        help="weight type; default bf16 for hf, q8_0 for gguf (q8_0 is gguf only)")
+    parser.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"),
+                        help="weight type; default bf16 for hf, q8_0 for gguf (the quantized types are gguf only)")
     parser.add_argument("--base", help="base model for an adapter, overriding adapter_config.json (folder, Hub id "
                                        "or .gguf file)")
     parser.add_argument("--max-shard-size", type=shard_size, default="2GB",

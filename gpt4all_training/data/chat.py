@@ -15,6 +15,10 @@ it are the encoding of `messages[:k]` with the generation prompt. Where a templa
 boundary that the tokenizer merges across), the conversation is dropped as `prefix_mismatch` rather than trained on
 ids inference never produces.
 
+A conversation whose tool calls, or whose messages of a role other than user and assistant, the template leaves out
+of its text (SmolLM2's writes only each message's content) would train a tool-call turn as an empty answer: it is
+marked `unrendered_<part>`, which data.py refuses in one line rather than drops (`unrendered_part`).
+
 An over-long conversation loses whole rounds (a user turn and what answers it) from the start, the system message
 kept, until it fits; only a last round that alone is too long is cut at max_length, and its cut assistant turn gets
 no end-of-turn label.
@@ -23,6 +27,7 @@ no end-of-turn label.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -59,11 +64,11 @@ def conversation_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]], li
         raw = [{"role": "user", "content": row.get("prompt")}, {"role": "assistant", "content": row.get("response")}]
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
         return "malformed_messages"
-    messages = [{k: v for k, v in m.items() if v is not None and k != "train"} for m in raw]
-    problem = conversation_problem(messages)
+    present = [{k: v for k, v in m.items() if v is not None} for m in raw]
+    problem = conversation_problem(present)
     if problem:
         return problem
-    return messages, [trained(m) for m in raw]
+    return [{k: v for k, v in m.items() if k != "train"} for m in present], [trained(m) for m in present]
 
 
 def rounds_start(messages: list[dict[str, Any]]) -> list[int]:
@@ -91,6 +96,33 @@ class ChatEncoder:
         if isinstance(value, list):
             return any(self.typed_control_text(v) for v in value)
         return False
+
+    def render(self, messages: list[dict[str, Any]]) -> Optional[str]:
+        """The conversation's text as the template writes it, or None where the template refuses it."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        except TemplateError:
+            return None
+
+    def unrendered_part(self, messages: list[dict[str, Any]]) -> Optional[str]:
+        """What of the conversation the template leaves out of its text: "tool_calls", or a role other than user
+        and assistant whose messages it does not write ("tool", "system"); None when it writes everything (or
+        refuses the conversation, which `encode` reports). Found by rendering the conversation again with that part
+        changed: a template that ignores a part writes the same text."""
+        parts = []
+        if any(m.get("tool_calls") for m in messages):
+            parts.append(("tool_calls", [{**m, "tool_calls": [renamed_call(c) for c in m["tool_calls"]]}
+                                         if m.get("tool_calls") else m for m in messages]))
+        for role in dict.fromkeys(m["role"] for m in messages):
+            if role not in ("user", "assistant"):
+                parts.append((role, [{**m, "content": "~" + (m.get("content") or "")} if m["role"] == role else m
+                                     for m in messages]))
+        if not parts:
+            return None
+        text = self.render(messages)
+        return next((part for part, changed in parts if text is not None and self.render(changed) == text), None)
 
     def encode(self, conversations: list[list[dict[str, Any]]], generation_prompt: list[bool]
                ) -> list[Optional[list[int]]]:
@@ -180,6 +212,45 @@ class ChatEncoder:
         return results
 
 
+def renamed_call(call: Any) -> Any:
+    """A tool call with another function name, or the call itself when it has no function to rename."""
+    if isinstance(call, dict) and isinstance(call.get("function"), dict):
+        return {**call, "function": {**call["function"], "name": f"~{call['function'].get('name')}"}}
+    return call
+
+
+UNRENDERED = "unrendered_"  # the drop reason's prefix for a conversation the template writes only in part
+
+
+def unrendered_refusal(part: str, count: int, first: str) -> str:
+    """The one line that refuses `count` conversations whose `part` (unrendered_part's) the template leaves out;
+    `first` names the first of them."""
+    what = "tool calls" if part == "tool_calls" else f"{part!r} messages"
+    return (f"chat_template: it does not render the {what} of {count:,} conversations (first: {first}), so they would "
+            f"train without them; use a chat template that renders them (chat_template: path/to/template.jinja) or "
+            f"leave them out of the data")
+
+
+def unrendered_conversations(tokenizer, records) -> tuple[int, Optional[str]]:
+    """(how many of `records`, (where, record) pairs, are conversations; the refusal for those the template writes
+    only in part, or None). What `check` reads the whole dataset with before anything is tokenized."""
+    encoder = ChatEncoder(tokenizer)
+    count, found, first = 0, Counter(), {}
+    for where, record in records:
+        if record.get("messages") is None:
+            continue
+        count += 1
+        parsed = conversation_messages(record)
+        part = None if isinstance(parsed, str) else encoder.unrendered_part(parsed[0])
+        if part:
+            found[part] += 1
+            first.setdefault(part, where)
+    if not found:
+        return count, None
+    part, n = found.most_common(1)[0]
+    return count, unrendered_refusal(part, n, first[part])
+
+
 def without_rounds(messages: list[dict[str, Any]], flags: list[bool], dropped: int
                    ) -> tuple[list[dict[str, Any]], list[bool]]:
     """The conversation and its trained flags less the first `dropped` rounds (the system message kept)."""
@@ -236,7 +307,12 @@ def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, 
     sft.tokenize_batch adds, for conversations. `truncated_prompt` counts rows that lost rounds from the start,
     `truncated_response` rows whose assistant turn was cut."""
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-    parsed = [conversation_messages(row) for row in rows]
+    encoder = ChatEncoder(tokenizer)
+    parsed = []
+    for row in rows:
+        item = conversation_messages(row)
+        part = None if isinstance(item, str) else encoder.unrendered_part(item[0])
+        parsed.append(UNRENDERED + part if part else item)
     usable = [p for p in parsed if not isinstance(p, str)]
     trained_flags = []
     for messages, flags in usable:
@@ -244,7 +320,7 @@ def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, 
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             flags = [flag and i == last for i, flag in enumerate(flags)]
         trained_flags.append(flags)
-    examples = iter(ChatEncoder(tokenizer).examples([m for m, _ in usable], trained_flags, max_length))
+    examples = iter(encoder.examples([m for m, _ in usable], trained_flags, max_length))
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_trained", "length", "truncated_prompt",
                                             "truncated_response", "drop_reason")}
     for item in parsed:

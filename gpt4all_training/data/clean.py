@@ -1,14 +1,15 @@
-"""Normalise raw JSONL into `prompt`/`response`/`source` records, `messages`/`source` conversations and
+"""Normalise raw records into `prompt`/`response`/`source` records, `messages`/`source` conversations and
 `prompt`/`chosen`/`rejected`/`source` preference pairs, and count every record dropped with its reason.
 
-Single-turn shapes are recognised by their fields: gpt4all (`prompt`, `response`, `source`) and Dolly (`instruction`,
-`context`, `response`, `category`). Conversations (data/conversations.py): OpenAI `messages`, ShareGPT
-`conversations`, and OpenAssistant message trees (one tree per line) as whole threads (`--oasst paths`, the default,
-or `best`), or as every prompter->assistant pair with the thread flattened into the prompt (`--oasst pairs`).
-Preference pairs (data/preferences.py): any record with `chosen`/`rejected` answers (TRL, UltraFeedback-binarized,
-HH-RLHF), and OpenAssistant trees as the best-ranked reply against each lower-ranked sibling
-(`--oasst-preferences`). Each input line becomes kept records or dropped ones; nothing vanishes: `kept + dropped ==
-read` for every file.
+The files are JSON Lines, JSON arrays, Parquet or CSV (data/raw_files.py). Single-turn shapes are recognised by their
+fields: gpt4all (`prompt`, `response`, `source`), Dolly (`instruction`, `context`, `response`, `category`), Alpaca
+(`instruction`, `input`, `output`) and TRL's prompt/completion as text. Conversations (data/conversations.py): OpenAI
+`messages`, ShareGPT `conversations`, TRL's prompt/completion as messages, and OpenAssistant message trees (one tree
+per line) as whole threads (`--oasst paths`, the default, or `best`), or as every prompter->assistant pair with the
+thread flattened into the prompt (`--oasst pairs`). Preference pairs (data/preferences.py): any record with
+`chosen`/`rejected` answers (TRL, UltraFeedback-binarized, HH-RLHF), and OpenAssistant trees as the best-ranked reply
+against each lower-ranked sibling (`--oasst-preferences`). Each input unit (a line, an array element, a row) becomes
+kept records or dropped ones; nothing vanishes: `kept + dropped == read` for every file.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gpt4all_training.data.conversations import (OASST_THREAD_MODES, encodable, normalize_whitespace, oasst_threads,
-                                                 openai_messages, sharegpt_messages, trained)
+                                                 openai_messages, prompt_completion_messages, sharegpt_messages,
+                                                 trained)
 from gpt4all_training.data.preferences import (PAIR_FIELDS, answer_text, is_preference, normalized,
                                                oasst_preferences, preference_record)
+from gpt4all_training.data.raw_files import SUFFIXES, read_units
 from gpt4all_training.errors import UserError
 
 AI_DISCLAIMER = re.compile(r"\bas an ai\b|\bai language model\b|\bi am an ai\b|\bi'm an ai\b", re.IGNORECASE)
@@ -35,6 +38,7 @@ REFUSAL = re.compile(
 )
 OASST_MODES = (*OASST_THREAD_MODES, "pairs")
 OASST_PREFERENCES = "preferences"  # how clean reads trees under --oasst-preferences
+REPORT_FILE = "clean_report.json"
 
 
 @dataclass
@@ -91,14 +95,24 @@ def _gpt4all_record(obj: dict, default_source: str) -> dict[str, str]:
             "prompt": _text(obj["prompt"], "prompt"), "response": _text(obj["response"], "response")}
 
 
-def _dolly_record(obj: dict) -> dict[str, str]:
+def _instruction_record(obj: dict, context_key: str, response_key: str, source: str) -> dict[str, str]:
+    """Dolly's (`context`, `response`) or Alpaca's (`input`, `output`) instruction record as prompt/response."""
     instruction = _text(obj.get("instruction"), "instruction")
-    context = _text(obj.get("context") or "", "context")  # Dolly writes "" for no context; null means the same
-    response = _text(obj.get("response"), "response")
-    category = obj.get("category")
+    context = _text(obj.get(context_key) or "", context_key)  # "" for no context; null means the same
+    response = _text(obj.get(response_key), response_key)
     # Context first, instruction last: truncation keeps the end of a prompt, and the question is what matters.
     prompt = f"{context}\n\n{instruction}" if context.strip() else instruction
-    return {"source": category if isinstance(category, str) else "dolly", "prompt": prompt, "response": response}
+    return {"source": source, "prompt": prompt, "response": response}
+
+
+def _completion_record(obj: dict, source: str) -> dict[str, Any] | Drop:
+    """TRL's prompt/completion: two strings as prompt/response, or messages as one conversation."""
+    if "label" in obj:  # KTO's unpaired preference: a completion marked undesirable must not be learned
+        return Drop("unpaired_preference")
+    prompt, completion = obj.get("prompt"), obj.get("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return {"source": source, "prompt": prompt, "response": completion}
+    return _conversation_record(prompt_completion_messages(obj), source)
 
 
 def _oasst_records(tree: dict) -> Iterator[dict[str, str] | Drop]:
@@ -141,26 +155,9 @@ def _kept_or_dropped(parsed: dict[str, Any] | str) -> dict[str, Any] | Drop:
     return Drop(parsed) if isinstance(parsed, str) else parsed
 
 
-def parse_line(raw: bytes, default_source: str, oasst: str = "paths") -> Iterator[dict[str, Any] | Drop]:
-    """One input line -> records or Drops (at least one of either). `oasst` is how a tree is read: "paths",
+def parse_record(obj: dict[str, Any], default_source: str, oasst: str = "paths") -> Iterator[dict[str, Any] | Drop]:
+    """One input record -> records or Drops (at least one of either). `oasst` is how a tree is read: "paths",
     "best" (conversations), "pairs" (prompt/response) or "preferences" (pairs of ranked replies)."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        yield Drop("invalid_utf8")
-        return
-    line = line.lstrip("\ufeff").rstrip("\r\n")
-    if not line.strip():
-        yield Drop("blank_line")
-        return
-    try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
-        yield Drop("invalid_json")
-        return
-    if not isinstance(obj, dict):
-        yield Drop("not_an_object")
-        return
     try:
         source = obj.get("source") if isinstance(obj.get("source"), str) else default_source
         is_tree = "message_tree_id" in obj or isinstance(obj.get("prompt"), dict) and "replies" in obj["prompt"]
@@ -182,8 +179,13 @@ def parse_line(raw: bytes, default_source: str, oasst: str = "paths") -> Iterato
             yield _conversation_record(openai_messages(obj), source)
         elif "conversations" in obj:
             yield _conversation_record(sharegpt_messages(obj), source)
-        elif "instruction" in obj:
-            yield _dolly_record(obj)
+        elif "instruction" in obj and ("output" in obj or "input" in obj) and "response" not in obj:  # Alpaca
+            yield _instruction_record(obj, "input", "output", source)
+        elif "instruction" in obj:  # Dolly, whose category is the source
+            category = obj.get("category")
+            yield _instruction_record(obj, "context", "response", category if isinstance(category, str) else "dolly")
+        elif "completion" in obj:
+            yield _completion_record(obj, source)
         elif "prompt" in obj or "response" in obj:
             yield _gpt4all_record(obj, default_source)
         else:
@@ -260,20 +262,38 @@ def check_preference(record: dict[str, Any], filters: Filters, seen: set[tuple])
     return None
 
 
-def record_line(record: dict[str, Any]) -> str:
-    """The output line: a conversation as {"messages", "source"}, a preference pair as {"prompt", "chosen",
-    "rejected", "source"}, a single turn as {"source", "prompt", "response"}."""
-    if "messages" in record:
+def written_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """What clean.py writes of a record: a conversation as {"messages", "source"}, a preference pair as {"prompt",
+    "chosen", "rejected", "source"}, a single turn as {"source", "prompt", "response"}."""
+    if record.get("messages") is not None:
         keys: tuple[str, ...] = ("messages", "source")
-    elif "chosen" in record:
+    elif record.get("chosen") is not None:
         keys = (*PAIR_FIELDS, "source")
     else:
         keys = ("source", "prompt", "response")
-    return json.dumps({key: record[key] for key in keys}, ensure_ascii=False) + "\n"
+    return {key: record[key] for key in keys}
+
+
+def record_line(record: dict[str, Any]) -> str:
+    return json.dumps(written_fields(record), ensure_ascii=False) + "\n"
+
+
+def dataset_row_record(row: dict[str, Any], default_source: str) -> dict[str, Any]:
+    """The record clean.py wrote, from a row read back from a dataset: a column fills the rows (and, as a list of
+    structs, the messages) that lack it with None, which clean.py never writes."""
+    def unfilled(value: Any) -> Any:
+        if isinstance(value, list):
+            return [unfilled(item) for item in value]
+        if isinstance(value, dict):
+            return {key: unfilled(item) for key, item in value.items() if item is not None}
+        return value
+
+    record = {key: unfilled(value) for key, value in row.items() if value is not None}
+    return written_fields({**record, "source": record.get("source", default_source)})
 
 
 def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], oasst: str = "paths") -> FileReport:
-    """Clean one JSONL file into `out_path`, written atomically (temp file, fsync, rename)."""
+    """Clean one raw file (data/raw_files.py) into `out_path`, written atomically (temp file, fsync, rename)."""
     report = FileReport()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
@@ -281,10 +301,11 @@ def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], o
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide the data from the group that trains on it
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out, open(path, "rb") as src:
-            for raw in src:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            for unit in read_units(path):
                 report.lines += 1
-                for item in parse_line(raw, default_source=path.stem, oasst=oasst):
+                items = [Drop(unit)] if isinstance(unit, str) else parse_record(unit, path.stem, oasst)
+                for item in items:
                     report.read += 1
                     reason = item.reason if isinstance(item, Drop) else check_record(item, filters, seen)
                     if reason:
@@ -306,9 +327,13 @@ def input_files(inputs: list[str]) -> list[Path]:
     for name in inputs:
         path = Path(name)
         if path.is_dir():
-            found = sorted(p for p in path.glob("*.jsonl") if not p.name.endswith("_clean.jsonl"))
+            found = sorted(p for p in path.iterdir() if p.suffix.lower() in SUFFIXES
+                           and not p.name.endswith("_clean.jsonl") and p.name != REPORT_FILE)
             if not found:
-                raise UserError(f"{path}: no .jsonl files in this folder")
+                raise UserError(f"{path}: no data files in this folder ({', '.join(SUFFIXES)})")
+            folders = [p for p in found if p.is_dir()]
+            if folders:
+                raise UserError(f"{folders[0]}: a folder named like a data file; rename it or move it out of {path}")
             files.extend(found)
         elif path.exists():  # a file, or a pipe such as bash's <(zcat data.jsonl.gz)
             files.append(path)
@@ -350,7 +375,7 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
         totals.update({key: entry[key] for key in ("lines", "read", "kept")})
         totals.update({f"dropped:{k}": v for k, v in entry["dropped"].items()})
     report["total"] = dict(totals)
-    tmp = output_dir / "clean_report.json.tmp"
+    tmp = output_dir / f"{REPORT_FILE}.tmp"
     tmp.write_text(json.dumps(report, indent=2), encoding="utf-8")
-    os.replace(tmp, output_dir / "clean_report.json")
+    os.replace(tmp, output_dir / REPORT_FILE)
     return report

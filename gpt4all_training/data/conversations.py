@@ -4,9 +4,9 @@ A conversation record is `{"messages": [{"role", "content"}, ...], "source": ...
 `assistant` and `tool`. A message may also carry what chat templates read (`tool_calls` on an assistant turn, `name`
 and `tool_call_id` on a tool turn) and our own `"train": false`, which keeps an assistant turn as context only.
 
-Read from: OpenAI `messages`, ShareGPT `conversations` (`from`/`value`), and OpenAssistant message trees as whole
-threads. Nothing here raises for bad data: a parser returns a list of messages or the drop reason (a string), which
-clean.py counts and data.py counts the same way.
+Read from: OpenAI `messages`, ShareGPT `conversations` (`from`/`value`), TRL's conversational prompt/completion, and
+OpenAssistant message trees as whole threads. Nothing here raises for bad data: a parser returns a list of messages
+or the drop reason (a string), which clean.py counts and data.py counts the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +52,47 @@ def trained(message: dict[str, Any]) -> bool:
     return message.get("role") == "assistant" and message.get("train") is not False
 
 
+# The record schema's message fields and the type each takes (a field that is absent or null is always allowed);
+# `tool_calls` is a list of OpenAI's {"function": {"name", "arguments"}} (arguments as a JSON string or an object).
+MESSAGE_FIELDS = {"content": (str, "text"), "name": (str, "text"), "tool_call_id": (str, "text"),
+                  "train": (bool, "true or false")}
+
+
+def well_formed_call(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str) \
+        and isinstance(function.get("arguments"), (str, dict))
+
+
+def field_problem(message: dict[str, Any]) -> tuple[str, str] | None:
+    """The message's first field of the wrong type, as (the drop reason clean.py counts, the words training's record
+    reader refuses it with), or None. Every field's type is checked here, once."""
+    for key, (kind, words) in MESSAGE_FIELDS.items():
+        value = message.get(key)
+        if value is not None and not isinstance(value, kind):
+            reason = f"non_{'boolean' if kind is bool else 'string'}_{key}"
+            return reason, f"field {key!r} is {type(value).__name__} ({json.dumps(value)[:40]}), not {words}"
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(well_formed_call(c) for c in calls)):
+        return "malformed_tool_calls", 'field \'tool_calls\' is not a list of {"function": {"name", "arguments"}}'
+    return None
+
+
+def messages_type_problem(messages: Any) -> str | None:
+    """What is of the wrong type in a record's messages, in words for a one-line error, or None."""
+    if messages is None:
+        return None
+    if not isinstance(messages, list):
+        return f"field 'messages' is {type(messages).__name__}, not a list of messages"
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            return f"message {number} is {type(message).__name__}, not an object"
+        problem = field_problem(message)
+        if problem:
+            return f"message {number}: {problem[1]}"
+    return None
+
+
 def conversation_problem(messages: Any) -> str | None:
     """The drop reason for a list of messages, or None when it is a conversation data.py can train on."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -60,9 +101,10 @@ def conversation_problem(messages: Any) -> str | None:
     if any(role not in ROLES for role in roles):
         return "unknown_role"
     for message in messages:
+        problem = field_problem(message)
+        if problem:
+            return problem[0]
         content = message.get("content")
-        if content is not None and not isinstance(content, str):
-            return "non_string_content"
         if content is not None and not is_text(content):
             return "invalid_unicode"
         if not (content or "").strip() and not (message["role"] == "assistant" and message.get("tool_calls")):
@@ -79,14 +121,16 @@ def conversation_problem(messages: Any) -> str | None:
 # ---------------------------------------------------------------- the shapes clean.py reads
 
 def message(role: str, content: Any, source: dict[str, Any]) -> dict[str, Any]:
-    """Our message: role and content first, then the template fields the source has (and `train` when false)."""
+    """Our message: role and content first, then the template fields the source has (and `train` unless true, the
+    default). A field of the wrong type is kept, for conversation_problem to count."""
     out: dict[str, Any] = {"role": role, "content": "" if content is None and role == "assistant" else content}
-    if role == "assistant" and isinstance(source.get("tool_calls"), list) and source["tool_calls"]:
-        out["tool_calls"] = [tool_call(call) for call in source["tool_calls"]]
+    calls = source.get("tool_calls")
+    if role == "assistant" and calls is not None and calls != []:
+        out["tool_calls"] = [tool_call(call) for call in calls] if isinstance(calls, list) else calls
     if role == "tool":
-        out.update({key: source[key] for key in ("name", "tool_call_id") if isinstance(source.get(key), str)})
-    if source.get("train") is False:
-        out["train"] = False
+        out.update({key: source[key] for key in ("name", "tool_call_id") if source.get(key) is not None})
+    if source.get("train") is not None and source["train"] is not True:
+        out["train"] = source["train"]
     return out
 
 
@@ -120,6 +164,26 @@ def sharegpt_messages(obj: dict[str, Any]) -> list[dict[str, Any]] | str:
         if role is None:
             return "unknown_role"
         messages.append(message(role, turn.get("value"), turn))
+    return conversation_problem(messages) or messages
+
+
+def prompt_completion_messages(obj: dict[str, Any]) -> list[dict[str, Any]] | str:
+    """TRL's conversational prompt/completion (two lists of messages; a string is the user's turn, or the assistant's
+    answer) -> one conversation, or a drop reason. The prompt's assistant turns are context ("train": false): TRL
+    trains the completion only."""
+    parts = []
+    for name, role in (("prompt", "user"), ("completion", "assistant")):
+        value = obj.get(name)
+        if value is None:
+            return f"missing_{name}"
+        if isinstance(value, str):
+            parts.append([message(role, value, {})])
+        elif isinstance(value, list) and all(isinstance(m, dict) for m in value):
+            parts.append([message(m.get("role"), m.get("content"), m) for m in value])
+        else:
+            return "malformed_messages"
+    prompt, completion = parts
+    messages = [{**m, "train": False} if m["role"] == "assistant" else m for m in prompt] + completion
     return conversation_problem(messages) or messages
 
 

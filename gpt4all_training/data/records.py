@@ -12,17 +12,17 @@ A record's text is its `text_field`, or, when that is unset, its `text` or `cont
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from gpt4all_training.data.conversations import is_text
+from gpt4all_training.data.conversations import is_text, messages_type_problem
 from gpt4all_training.errors import UserError
 
 TEXT_FIELDS = ("text", "content")
+SCHEMA_ADVICE = "fix the record, or run clean.py on the raw data, which counts such records as dropped"
 
 
 # ---------------------------------------------------------------- where the records are
@@ -33,7 +33,7 @@ def local_text_files(dataset_path: str) -> Optional[list[Path]]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(path.glob("*.jsonl"))
+        files = folder_files(path, "*.jsonl")
         if not files:
             raise UserError(f"dataset_path: no *.jsonl files in {path}")
         return files
@@ -47,9 +47,19 @@ def local_data_files(path: Path) -> list[str] | None:
     if path.is_file():
         return [str(path)]
     if path.is_dir():
-        files = sorted(glob.glob(str(path / "*_clean.jsonl")))
-        return files or None
+        return [str(file) for file in folder_files(path, "*_clean.jsonl")] or None
     return None
+
+
+def folder_files(folder: Path, pattern: str) -> list[Path]:
+    """The files in `folder` that match `pattern`, sorted, hidden ones (macOS's ._x_clean.jsonl) left out; a folder
+    that matches it is a UserError rather than a file to open."""
+    found = sorted(path for path in folder.glob(pattern) if not path.name.startswith("."))
+    folders = [path for path in found if path.is_dir()]
+    if folders:
+        raise UserError(f"dataset_path {folder}: {folders[0].name} is a folder named like a data file; rename it or "
+                        f"move it out of the dataset folder")
+    return found
 
 
 def cannot_load(dataset_path: str, exc: Exception) -> UserError:
@@ -126,10 +136,29 @@ def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
                         f"data first")
     if files is not None:
         for file in files:
-            yield from iter_records(file)
+            for where, record in iter_records(file):
+                problem = messages_type_problem(record.get("messages"))
+                if problem:
+                    raise UserError(f"{where}: {problem}; {SCHEMA_ADVICE}")
+                yield where, record
         return
     for number, record in enumerate(load_records(dataset_path)):  # a Hub id (raises a one-line UserError)
         yield f"{dataset_path} record {number}", record
+
+
+def record_location(dataset_path: str, index: int) -> str:
+    """Where record `index` (load_records' stable index) lies: `file:line` for local data (datasets skips blank lines,
+    as this count does), else `record N of PATH`."""
+    files = local_data_files(Path(dataset_path).expanduser())
+    number = 0
+    for file in files or []:
+        with open(file, "rb") as f:
+            for line, raw in enumerate(f, start=1):
+                if raw.strip():
+                    if number == index:
+                        return f"{file}:{line}"
+                    number += 1
+    return f"record {index} of {dataset_path}"
 
 
 def first_bad_line(files: Sequence[str]) -> str | None:
@@ -170,7 +199,17 @@ def load_table(dataset_path: str, revision: Optional[str], files: Sequence[str] 
     try:
         if files is None:
             return datasets.load_dataset(dataset_path, revision=revision, split="train")
-        table = datasets.load_dataset("json", data_files=list(files), split="train")
+        try:
+            table = datasets.load_dataset("json", data_files=list(files), split="train")
+        except datasets.exceptions.DatasetGenerationError:
+            bad_line = first_bad_line(files)
+            if bad_line:
+                raise UserError(bad_line) from None
+            # datasets takes the fields' types from the first 10 MB of the first file: records of another shape
+            # further on (a file of conversations beside one of prompt/response pairs, messages that gain a key)
+            # cannot be cast to them. Their types over every record can.
+            table = datasets.load_dataset("json", data_files=list(files), features=record_features(files),
+                                          split="train")
     except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
         raise cannot_load(dataset_path, exc) from None
     except datasets.exceptions.DatasetGenerationError as exc:
@@ -181,6 +220,28 @@ def load_table(dataset_path: str, revision: Optional[str], files: Sequence[str] 
     except pa.ArrowInvalid as exc:
         raise unreadable_jsonl(dataset_path, files, exc, advice) from None
     return table
+
+
+def record_features(files: Sequence[str]):
+    """The `datasets.Features` of every field over every record of `files` (a field a record lacks is None there):
+    messages as a list of JSON values (each message keeps exactly its own keys), a field of one plain type as that
+    type, anything else as JSON."""
+    from datasets import Features, Json, List, Value
+
+    plain = {frozenset({str}): "string", frozenset({bool}): "bool", frozenset({int}): "int64",
+             frozenset({float}): "float64", frozenset({int, float}): "float64"}
+    types: dict[str, set[type]] = {}
+    for file in files:
+        for where, record in iter_records(file):
+            for key, value in record.items():
+                if key == "messages" and value is not None and not isinstance(value, list):
+                    raise UserError(f"{where}: field 'messages' is {type(value).__name__}, not a list of messages")
+                types.setdefault(key, set()).add(type(value))
+    features = {}
+    for key, seen in types.items():
+        kind = plain.get(frozenset(seen - {type(None)}))
+        features[key] = List(Json()) if key == "messages" else Value(kind) if kind else Json()
+    return Features(features)
 
 
 def holds_text(path: Path) -> bool:
@@ -208,9 +269,23 @@ def load_records(dataset_path: str, revision: str | None = None):
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
     if missing and "messages" not in ds.column_names:
         raise UserError(f"dataset_path {dataset_path}: records lack the field {missing[0]!r}; run clean.py first")
+    if "messages" in ds.column_names:
+        refuse_wrong_types(ds, dataset_path)
     if "index" in ds.column_names:  # a record's own "index" gives way to the stable one (training never reads it)
         ds = ds.remove_columns("index")
     return ds.add_column("index", list(range(len(ds))))
+
+
+def refuse_wrong_types(ds, dataset_path: str) -> None:
+    """One UserError, naming the file and line, for the first record whose messages hold a field of the wrong type
+    (conversations.field_problem): a "train": "false" would otherwise be trained."""
+    number = 0
+    for batch in ds.select_columns(["messages"]).iter(batch_size=1024):
+        for messages in batch["messages"]:
+            problem = messages_type_problem(messages)
+            if problem:
+                raise UserError(f"{record_location(dataset_path, number)}: {problem}; {SCHEMA_ADVICE}")
+            number += 1
 
 
 def records_fingerprint(ds, columns: Sequence[str] = ("prompt", "response", "messages")) -> str:

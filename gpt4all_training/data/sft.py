@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from gpt4all_training.batch import IGNORE
-from gpt4all_training.data.chat import require_trainable_chat, tokenized_conversations
+from gpt4all_training.data.chat import UNRENDERED, require_trainable_chat, tokenized_conversations, unrendered_refusal
 from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
-from gpt4all_training.data.records import load_records
+from gpt4all_training.data.records import load_records, record_location
 from gpt4all_training.errors import UserError
 
 
@@ -207,6 +208,22 @@ def finish_split(tokenized, noun: str = "examples") -> tuple[Any, DataStats]:
     return kept, stats
 
 
+def refuse_unrendered(splits, dataset_path: str) -> None:
+    """One UserError for the conversations of the tokenized `splits` whose tool calls or messages the chat template
+    leaves out (data/chat.py's unrendered_ drop reasons): trained, they would teach answers without them."""
+    found: Counter = Counter()
+    first: dict[str, int] = {}
+    for split in splits:
+        for reason, index in zip(split["drop_reason"], split["index"]):
+            if reason.startswith(UNRENDERED):
+                part = reason.removeprefix(UNRENDERED)
+                found[part] += 1
+                first[part] = min(first.get(part, index), index)
+    if found:
+        part, count = found.most_common(1)[0]
+        raise UserError(unrendered_refusal(part, count, record_location(dataset_path, first[part])))
+
+
 def load_data(config, tokenizer, records=None):
     """Train and validation splits, tokenised, with the statistics of each: ((train, val), (train_stats, val_stats)).
     `records` are load_records' for the config's dataset, when the caller has read them already."""
@@ -217,8 +234,10 @@ def load_data(config, tokenizer, records=None):
     template = resolve_template(config.prompt_template, tokenizer)
     num_proc = effective_num_proc(config, len(records))
     splits, stats = [], []
-    for raw in (train_raw, val_raw):
-        tokenized = tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns)
+    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns)
+                        for raw in (train_raw, val_raw)]
+    refuse_unrendered(tokenized_splits, config.dataset_path)
+    for tokenized in tokenized_splits:
         kept, split_stats = finish_split(tokenized)
         splits.append(kept)
         stats.append(split_stats)

@@ -4,12 +4,15 @@ The harness's own `hf` model class (HFLM) wraps the model and tokenizer we load,
 works: a folder, a GGUF file, an adapter over its base, a `step_N/` checkpoint. Tasks are the harness's: a name it
 ships (whose data it downloads from the Hub), a name defined by task YAML files under an include path, or a YAML
 file. The scores are the harness's own, computed by `lm_eval.simple_evaluate` with the harness's default seeds, so
-they equal what its `lm_eval --model hf` command reports for the same weights, tasks and settings.
+they equal what its `lm_eval --model hf` command reports for the same weights, tasks and settings. Only the text a
+generate_until task asks for is decoded by this project's decoder (model/decoding.py) instead of transformers'
+generate, with generate's meaning of the task's settings (see `decoding_hflm`).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import platform
 from dataclasses import asdict, dataclass
@@ -20,10 +23,14 @@ import torch
 import yaml
 
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.decoding import Sampling, Sequence, decode_all, eos_token_ids
 from gpt4all_training.model.trained import DTYPES, describe, open_model
 
 # The harness's defaults (its command's --seed 0,1234,1234,1234): Python's random, NumPy, torch, few-shot sampler.
 HARNESS_SEEDS = {"python": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}
+# The generation settings the decoder reads as transformers' generate does; a task asking for another (num_beams,
+# ...) is decoded by generate itself, so every task the harness runs still runs.
+DECODER_SETTINGS = {"do_sample", "temperature", "top_p", "top_k", "repetition_penalty"}
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
 
 
@@ -130,9 +137,8 @@ def score(model, tokenizer, manager, tasks: list, settings: EvalSettings, label:
     entry of what decides them besides the model; `label` names the model in errors."""
     import lm_eval
     import transformers
-    from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+    lm = decoding_hflm()(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
     template = lm.chat_template(True) if settings.apply_chat_template else None
     if settings.apply_chat_template and not template:
         raise UserError(f"--apply-chat-template: the tokenizer of {label} has no chat template")
@@ -151,3 +157,55 @@ def score(model, tokenizer, manager, tasks: list, settings: EvalSettings, label:
                      "torch": torch.__version__, "python": platform.python_version()},
     }
     return results
+
+
+def generate_sampling(settings: dict[str, Any], defaults) -> Optional[Sampling]:
+    """The sampling transformers' generate applies for a task's generation settings: greedy unless do_sample, and
+    what a setting leaves unset taken from the model's generation config (`defaults`); None for settings the
+    decoder does not have."""
+    if set(settings) - DECODER_SETTINGS:
+        return None
+
+    def value(key: str, default):
+        given = settings.get(key)
+        given = getattr(defaults, key, None) if given is None else given
+        return default if given is None else given
+
+    penalty = float(value("repetition_penalty", 1.0))
+    if not value("do_sample", False):
+        return Sampling(repetition_penalty=penalty)
+    return Sampling(float(value("temperature", 1.0)), float(value("top_p", 1.0)), int(value("top_k", 0)), penalty)
+
+
+@functools.cache
+def decoding_hflm():
+    """The harness's `hf` model class (HFLM) with its generation hook, `_model_generate`, decoding with our decoder.
+
+    generate_until hands the hook a left-padded batch of contexts and takes back the contexts followed by the
+    generated ids (padded), which it decodes and cuts at the task's first stop string itself. Greedy text equals
+    generate's: the same ids up to the model's EOS, a stop string or max_length (generate runs a batch on until every
+    row has seen a stop string; the text after the first is cut either way). A sampled row draws from torch's global
+    generator, which the harness seeds, after the same processing: on CPU the draws are generate's until a row of the
+    batch ends, then they differ, because generate goes on drawing for finished rows and the decoder does not. Such a
+    task's score is then another sample of the same distribution, as it already is under another batch size."""
+    from lm_eval.models.huggingface import HFLM
+
+    class DecodingHFLM(HFLM):
+        def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+            mask = generation_kwargs.pop("attention_mask", None)
+            sampling = generate_sampling(generation_kwargs, getattr(self.model, "generation_config", None))
+            if sampling is None:
+                return super()._model_generate(context, max_length, stop, attention_mask=mask, **generation_kwargs)
+            real = torch.ones_like(context, dtype=torch.bool) if mask is None else mask.bool()
+            sequences = [Sequence(ids[kept].tolist(), max_length - context.shape[1], sampling, stop=tuple(stop))
+                         for ids, kept in zip(context, real)]
+            with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                enabled=self.mixed_precision_dtype is not None):
+                decode_all(self.model, self.tokenizer, sequences, eos_token_ids(self.model, self.tokenizer),
+                           batch_size=len(sequences))
+            generated = [s.ids + ([] if s.eos_id is None else [s.eos_id]) for s in sequences]
+            width = max(len(ids) for ids in generated)
+            padded = [ids + [self.tokenizer.pad_token_id] * (width - len(ids)) for ids in generated]
+            return torch.cat([context, torch.tensor(padded, dtype=context.dtype, device=context.device)], dim=1)
+
+    return DecodingHFLM

@@ -26,8 +26,9 @@ import torch
 import yaml
 
 from gpt4all_training.errors import UserError
-from gpt4all_training.export.gguf import TENSOR_TYPES, check_architecture, read_gguf_strings, write_gguf
-from gpt4all_training.export.template import add_template_to_tokenizer_config, ollama_modelfile, stop_token_ids
+from gpt4all_training.export.gguf import TYPES, check_architecture, read_gguf_strings, write_gguf
+from gpt4all_training.export.template import (add_template_to_tokenizer_config, ollama_modelfile, sampling_card,
+                                              stop_token_ids)
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.checkpoint import MARKER, check_deepspeed_files, verify
@@ -356,14 +357,14 @@ def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str
     add_template_to_tokenizer_config(folder, source.tokenizer)
 
 
-def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> None:
+def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> Path:
 
     base_pre = None
     if source.base_gguf:
         base_pre = read_gguf_strings(source.base_gguf, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
-    path = write_gguf(source.model, source.tokenizer, folder / f"{name}-{TENSOR_TYPES[dtype]}.gguf", dtype, name,
-                      source.license.get("license"), base_pre)
+    path = write_gguf(source.model, source.tokenizer, folder, dtype, name, source.license.get("license"), base_pre)
     (folder / "Modelfile").write_text(ollama_modelfile(path.name, source.tokenizer), encoding="utf-8")
+    return path
 
 
 def check_output_folder(out: Path) -> None:
@@ -391,22 +392,27 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
     dtype = dtype or DEFAULT_DTYPE[fmt]
     if fmt == "hf" and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: --format hf takes one of {', '.join(DTYPES)}")
+    if fmt == "gguf" and dtype not in TYPES:
+        raise UserError(f"--dtype {dtype}: --format gguf takes one of {', '.join(TYPES)}")
     out = Path(to)
     check_output_folder(out)  # before the slow load
     if fmt == "gguf":
 
         if (config := local_config(Path(source), base)) is not None:
-            check_architecture(config)  # refuse before loading weights
+            check_architecture(config, dtype)  # refuse before loading weights
     loaded = load_source(source, base)
     if fmt == "gguf":
-        check_architecture(loaded.model.config)
+        check_architecture(loaded.model.config, dtype)
 
     def fill(folder: Path) -> None:
+        card = model_card(out.name, loaded, fmt, dtype)
         if fmt == "hf":
             write_hf(loaded, folder, dtype, max_shard_size)
         else:
-            write_gguf_file(loaded, folder, dtype, out.name)
-        (folder / "README.md").write_text(model_card(out.name, loaded, fmt, dtype), encoding="utf-8")
+            path = write_gguf_file(loaded, folder, dtype, out.name)
+            pre = read_gguf_strings(path, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
+            card += "\n".join(sampling_card(pre)) + "\n"
+        (folder / "README.md").write_text(card, encoding="utf-8")
 
     write_folder_atomically(out, fill)
     return sorted(out.iterdir())

@@ -5,6 +5,10 @@
 - Slim HF folder: the template in tokenizer_config.json as well as chat_template.jinja (transformers 5 reads the
   file; older transformers, vLLM and TGI read the config), and the end-of-turn token among generation_config.json's
   EOS ids, so `generate` stops where a turn ends.
+- Sampling: the settings the model was evaluated with (SAMPLING: greedy, no repetition penalty, as `generate` and
+  `eval` default to) go into the GGUF (general.sampling.*, which llama.cpp's tools take as defaults), the Modelfile
+  (PARAMETER) and the model card. Clients' own defaults change answers: GPT4All's repeat penalty of 1.18 turned the
+  demo model's "4000" into "10527689300".
 - Ollama: a Modelfile beside the GGUF. Ollama templates are Go templates, not Jinja; a ChatML template (checked by
   rendering sample conversations both ways) becomes Ollama's ChatML template, with the template's default system
   message as SYSTEM, which Ollama puts first when a conversation has none, as the Jinja template does. Another
@@ -31,6 +35,11 @@ PROBES = [
       {"role": "assistant", "content": "A2"}], False),
 ]
 SYSTEM_HEADER = "<|im_start|>system\n"
+# The sampling the model was evaluated with: the defaults of generation/generate.py's Sampling (export may not import
+# that stage; tests/test_gguf.py checks the two agree), by their names in GGUF's general.sampling.* keys.
+SAMPLING = {"temp": 0.0, "top_k": 0, "top_p": 1.0, "penalty_repeat": 1.0}
+# The same settings by Ollama's PARAMETER names.
+OLLAMA_SAMPLING = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p", "repeat_penalty": "penalty_repeat"}
 
 
 def template_end_of_turn(tokenizer) -> int | None:
@@ -90,7 +99,23 @@ def ollama_modelfile(gguf_name: str, tokenizer) -> str:
                      "its template by matching the GGUF's tokenizer.chat_template against those it knows.")
     for token in tokenizer.convert_ids_to_tokens(stop_token_ids(tokenizer)):
         lines.append(f"PARAMETER stop {json.dumps(token)}")
+    lines += [f"PARAMETER {name} {SAMPLING[key]:g}" for name, key in OLLAMA_SAMPLING.items()]
     return "\n".join(lines) + "\n"
+
+
+def sampling_card(pre_tokenizer: str | None) -> list[str]:
+    """The model card's section on how to run the GGUF: the sampling it was evaluated with, and which readers
+    know its pre-tokenizer."""
+    settings = ", ".join(f"{name} {SAMPLING[key]:g}" for name, key in OLLAMA_SAMPLING.items())
+    lines = ["", "## Running the GGUF", "",
+             f"Evaluated with {settings} (greedy, no repetition penalty). The file and the Modelfile carry these "
+             f"settings; set them in clients that use defaults of their own: GPT4All's repeat penalty of 1.18 "
+             f"changes answers (it turned a correct `4000` into `10527689300`)."]
+    if pre_tokenizer:
+        lines += ["", f"The file declares the pre-tokenizer `{pre_tokenizer}` (`tokenizer.ggml.pre`). A llama.cpp "
+                      f"build older than that name refuses the file (\"unknown pre-tokenizer type\"): the gpt4all "
+                      f"2.8.2 Python client (mid-2024 llama.cpp) reads `gpt-2` but refuses `smollm`."]
+    return lines
 
 
 def add_template_to_tokenizer_config(folder: Path, tokenizer) -> None:

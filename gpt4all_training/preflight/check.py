@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.loader import load_config
+from gpt4all_training.data.chat import unrendered_conversations
+from gpt4all_training.data.records import finetune_records
 from gpt4all_training.errors import TrainingError, UserError
 from gpt4all_training.model.from_config import resolve_model_config
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source, tokenizer_for
@@ -171,6 +173,18 @@ def check_tokenizer(config, tokenizer, model_config) -> Outcome:
 
 
 # ---------------------------------------------------------------- memory and disk
+
+def check_chat_template(config, tokenizer) -> Outcome:
+    """The chat template writes every message and tool call of every conversation: a part it leaves out would be
+    trained as an answer without it (a tool call as an empty answer)."""
+    try:
+        count, refusal = unrendered_conversations(tokenizer, finetune_records(config.dataset_path))
+    except UserError as exc:
+        return failed("chat template", str(exc))
+    if refusal:
+        return failed("chat template", refusal)
+    return passed("chat template", f"renders every message and tool call of {count:,} conversations")
+
 
 def device_memory() -> tuple[float, str]:
     """Bytes of memory a single process trains in: the GPU's, or without one the machine's RAM."""
@@ -322,11 +336,11 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
     record(dataset_outcome)
     shape = None
     if config.init == "from_config":
-        shape = model_checks(config, record)
+        shape = model_checks(config, record, scan)
     elif config.model_name:
         record(check_model_name(config))
         if outcomes[-1].ok:
-            shape = model_checks(config, record)
+            shape = model_checks(config, record, scan)
     record(check_output_dir(config, shape))
     record(*check_trackers(config))
     if all(o.ok for o in outcomes):
@@ -334,9 +348,9 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
     return outcomes
 
 
-def model_checks(config, record):
-    """Tokenizer and memory checks (and for init from_config, the config the model is built from); returns the
-    model's shape (for the checkpoint size) or None."""
+def model_checks(config, record, scan: RecordScan | None):
+    """Tokenizer, chat template (for conversations) and memory checks (and for init from_config, the config the
+    model is built from); returns the model's shape (for the checkpoint size) or None."""
 
     from_scratch = config.init == "from_config"
     try:
@@ -355,6 +369,8 @@ def model_checks(config, record):
         record(passed(name, f"{model_config.model_type} with {shape.layers} layers, width {shape.hidden}: "
                             f"{shape.parameters:,} parameters, vocabulary {shape.vocab:,} (the tokenizer's)"))
     record(check_tokenizer(config, tokenizer, model_config))
+    if config.objective == "sft" and scan is not None and "messages" in scan.fields:
+        record(check_chat_template(config, tokenizer))
     if config.batch_size >= 1 and config.max_length >= 1:
         record(check_memory(config, shape))
     return shape

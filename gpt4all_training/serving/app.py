@@ -26,8 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gpt4all_training.model.decoding import Sampling
 from gpt4all_training.serving.chat import chat_encoder, end_of_turn_ids, render
-from gpt4all_training.serving.decoding import Sampling
 from gpt4all_training.serving.engine import Choice, Delta, Engine, Failed, Finished, QueueFull, ShuttingDown, Ticket
 from gpt4all_training.serving.protocol import (APIError, ChatRequest, ChatShapes, CompletionRequest,
                                                CompletionShapes, Sampled, Shapes, error_body, parse, sse, usage)

@@ -1,14 +1,10 @@
-"""The scheduler: one thread that decodes every admitted request together, with a KV cache.
+"""The scheduler: one thread that decodes every admitted request together, through model/decoding.py's Decoder.
 
 Requests wait in a bounded queue. Between two decode steps the thread admits waiting requests while the batch has
-room (in arrival order, never overtaking one that does not fit): it prefills their prompts as one left-padded batch
-and joins them to the running batch by left-padding the shorter of the two caches, so a request that arrives while
-others decode starts at the next step instead of waiting for the whole batch. Each row carries its own positions
-(counted over its real tokens), so padding changes nothing it computes. A finished row leaves the batch at once,
-and the cache columns that only padded it are dropped.
-
-Joining in flight needs the plain `DynamicLayer` cache of full-attention models; for other caches (sliding-window
-layers, linear attention) requests are admitted only into an empty batch.
+room (in arrival order, never overtaking one that does not fit) and the decoder prefills their prompts and joins
+them to the running rows, so a request that arrives while others decode starts at the next step instead of waiting
+for the whole batch. A finished or cancelled row leaves the batch at once. Each choice samples with its own seed,
+so a seeded request draws the same tokens whichever batch it lands in, and a greedy one gets its text alone.
 
 Results travel to the HTTP side as events on the request's asyncio queue: `Delta` (new text, streaming only),
 `Finished` (per choice) and `Failed` (the whole request).
@@ -21,12 +17,12 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Union
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from gpt4all_training.serving.decoding import Sampling, TextStream, next_tokens
+from gpt4all_training.model.decoding import Decoder, Sampling, Sequence
+from gpt4all_training.serving.streaming import TextStream
 
 log = logging.getLogger("gpt4all_training.serving")
 
@@ -91,13 +87,11 @@ class Ticket:
 
 @dataclass
 class Row:
+    """A choice of a request, decoding: the decoder's sequence and what of its text was sent."""
     ticket: Ticket
     choice: Choice
-    generator: Optional[torch.Generator]
-    text: TextStream
-    position: int  # of the next token fed to the model
-    ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
+    sequence: Sequence
+    stream: TextStream
 
 
 @dataclass
@@ -116,23 +110,9 @@ class Stats:
                 "steps_by_batch_rows": {str(k): v for k, v in sorted(self.steps_by_batch_rows.items())}}
 
 
-def left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """`tensor` with zeros prepended along `dim` up to `length`."""
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: set[int], max_batch_size: int, max_queue: int):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.device = next(model.parameters()).device
-        self.eos_ids = eos_ids
-        self.vocab_size = len(tokenizer)  # embedding rows past it have no token: never chosen
+        self.decoder = Decoder(model, tokenizer, eos_ids)
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.stats = Stats()
@@ -140,11 +120,7 @@ class Engine:
         self.wakeup = threading.Condition()
         self.closing = False
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
-        # The running batch: its rows, their KV cache, attention mask (rows, cached length) and next-token logits.
-        self.rows: list[Row] = []
-        self.cache = None
-        self.mask: Optional[torch.Tensor] = None
-        self.logits: Optional[torch.Tensor] = None
+        self.rows: list[Row] = []  # the running batch, row for row with the decoder's sequences
 
     # ---------------------------------------------------------------- the HTTP side
 
@@ -194,7 +170,7 @@ class Engine:
                     self.fail_all(f"generation failed ({type(exc).__name__})", admitted)
             self.fail_all("the server is shutting down")
 
-    def fail_all(self, message: str, admitted: Sequence[Ticket] = ()) -> None:
+    def fail_all(self, message: str, admitted: Iterable[Ticket] = ()) -> None:
         """Fail the running requests (and `admitted` ones not yet joined) and empty the batch."""
         tickets = {id(t): t for t in [*(row.ticket for row in self.rows), *admitted]}
         for ticket in tickets.values():
@@ -203,7 +179,7 @@ class Engine:
 
     def admissible(self) -> list[Ticket]:
         """Waiting tickets (in order) that fit into the batch now. Called with the lock held."""
-        if self.rows and not self.joinable():
+        if not self.decoder.can_join():
             return []
         room = self.max_batch_size - len(self.rows)
         admitted = []
@@ -215,109 +191,37 @@ class Engine:
             admitted.append(ticket)
         return admitted
 
-    def joinable(self) -> bool:
-        return self.cache is not None and all(type(layer) is DynamicLayer for layer in self.cache.layers)
-
     def reset(self) -> None:
-        self.rows, self.cache, self.mask, self.logits = [], None, None, None
+        self.rows = []
+        self.decoder.reset()
 
     def prefill(self, tickets: list[Ticket]) -> None:
-        """Run the prompts of `tickets` as one left-padded batch and join them to the running batch."""
-        rows = [Row(ticket, choice, self.generator(choice), TextStream(self.tokenizer, ticket.stop),
-                    position=len(choice.prompt_ids))
-                for ticket in tickets for choice in ticket.choices]
-        width = max(len(row.choice.prompt_ids) for row in rows)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(r.choice.prompt_ids)) + r.choice.prompt_ids for r in rows],
-                           device=self.device)
-        mask = torch.tensor([[0] * (width - len(r.choice.prompt_ids)) + [1] * len(r.choice.prompt_ids)
-                             for r in rows], device=self.device)
-        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)  # only the last position's logits: the vocabulary is the largest layer
+        """Join the choices of `tickets` to the running batch."""
+        rows = []
+        for ticket in tickets:
+            for choice in ticket.choices:
+                sequence = Sequence(choice.prompt_ids, choice.max_tokens, choice.sampling, choice.seed, ticket.stop,
+                                    live_text=ticket.stream)
+                rows.append(Row(ticket, choice, sequence, TextStream(sequence)))
+        self.decoder.prefill([row.sequence for row in rows])
         self.stats.prefills += 1
-        self.join(rows, out.cache, mask, out.logits[:, -1])
-
-    def join(self, rows: list[Row], cache, mask: torch.Tensor, logits: torch.Tensor) -> None:
-        if not self.rows:
-            self.rows, self.cache, self.mask, self.logits = rows, cache, mask, logits
-            return
-        length = max(self.mask.shape[1], mask.shape[1])
-        self.mask = torch.cat([left_pad(self.mask, length, 1), left_pad(mask, length, 1)])
-        for old, new in zip(self.cache.layers, cache.layers):
-            old.keys = torch.cat([left_pad(old.keys, length, 2), left_pad(new.keys, length, 2)])
-            old.values = torch.cat([left_pad(old.values, length, 2), left_pad(new.values, length, 2)])
-        self.logits = torch.cat([self.logits, logits])
         self.rows += rows
 
-    def generator(self, choice: Choice) -> Optional[torch.Generator]:
-        if choice.sampling.greedy:
-            return None
-        return torch.Generator(device=self.device).manual_seed(choice.seed)
-
     def step(self) -> None:
-        """Choose every row's next token, report it, drop finished rows, and run the rest one token further."""
+        """Choose every row's next token, report it, and run the rows that go on one token further."""
         batch = len(self.rows)
         self.stats.decode_steps += 1
         self.stats.max_batch_rows = max(self.stats.max_batch_rows, batch)
         self.stats.steps_by_batch_rows[batch] = self.stats.steps_by_batch_rows.get(batch, 0) + 1
-        logits = self.logits
-        if self.vocab_size < logits.shape[-1]:
-            logits = logits.clone()
-            logits[:, self.vocab_size:] = float("-inf")
-        tokens = next_tokens(logits, [r.choice.sampling for r in self.rows], [r.generator for r in self.rows])
-        for row, token in zip(self.rows, tokens):
-            row.ticket.batch_rows = max(row.ticket.batch_rows, batch)
-            self.advance(row, token)
-        keep = [i for i, row in enumerate(self.rows) if row.finish_reason is None and not row.ticket.cancelled]
+        self.decoder.choose()
         for row in self.rows:
-            if row.finish_reason is not None:
-                row.ticket.put(Finished(row.choice.index, row.text.text, row.finish_reason, len(row.ids)))
-        if not keep:
-            self.reset()
-            return
-        fed = torch.tensor([[tokens[i]] for i in keep], device=self.device)
-        if len(keep) < batch:
-            self.select(keep)
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(keep), 1))], dim=1)
-        positions = torch.tensor([[row.position] for row in self.rows], device=self.device)
-        out = self.model(input_ids=fed, attention_mask=self.mask, position_ids=positions, cache=self.cache,
-                         use_cache=True)
-        self.cache, self.logits = out.cache, out.logits[:, -1]
-        for row in self.rows:
-            row.position += 1
-
-    def advance(self, row: Row, token: int) -> None:
-        """Add `token` to `row`: end it at EOS, a stop string or max_tokens; send new text when streaming."""
-        ticket = row.ticket
-        watched = bool(ticket.stop) or ticket.stream  # text needed at every token, not only at the end
-        if token in self.eos_ids:
-            row.finish_reason = "stop"
-        else:
-            row.ids.append(token)
-            self.stats.generated_tokens += 1
-            if len(row.ids) >= row.choice.max_tokens:
-                row.finish_reason = "length"
-            if watched and row.text.update(row.ids):
-                row.finish_reason = "stop"
-            if ticket.stream and (delta := row.text.sendable()):
+            ticket, sequence = row.ticket, row.sequence
+            ticket.batch_rows = max(ticket.batch_rows, batch)
+            self.stats.generated_tokens += sequence.eos_id is None  # an EOS ends the text, it is not part of it
+            if ticket.stream and (delta := row.stream.sendable()):
                 ticket.put(Delta(row.choice.index, delta))
-        if row.finish_reason is not None:
-            if not watched:
-                row.text.update(row.ids)
-            if ticket.stream and (rest := row.text.flush()):
-                ticket.put(Delta(row.choice.index, rest))
-
-    def select(self, keep: list[int]) -> None:
-        """Keep only the rows at `keep`, and drop the cache columns that now pad every row."""
-        index = torch.tensor(keep, device=self.device)
+            if sequence.finished:
+                ticket.put(Finished(row.choice.index, sequence.text, sequence.finish_reason, len(sequence.ids)))
+        keep = [i for i, row in enumerate(self.rows) if not row.sequence.finished and not row.ticket.cancelled]
         self.rows = [self.rows[i] for i in keep]
-        self.cache.batch_select_indices(index)
-        self.mask, self.logits = self.mask[index], self.logits[index]
-        if not self.joinable():
-            return
-        unused = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading all-padding columns
-        if unused:
-            self.mask = self.mask[:, unused:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+        self.decoder.step(keep)

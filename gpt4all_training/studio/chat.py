@@ -19,10 +19,10 @@ import torch
 from pydantic import BaseModel, Field
 
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.decoding import Sampling
 from gpt4all_training.model.trained import DTYPES, open_model
 from gpt4all_training.serving.app import context_length, eos_ids
 from gpt4all_training.serving.chat import chat_encoder, render
-from gpt4all_training.serving.decoding import Sampling
 from gpt4all_training.serving.engine import Choice, Delta, Engine, Failed, Finished, Ticket
 from gpt4all_training.serving.protocol import APIError
 

@@ -23,6 +23,7 @@ from gpt4all_training.analysis.inference import RESULT_COLUMNS
 from gpt4all_training.analysis.map.clusters import named_clusters
 from gpt4all_training.analysis.map.layout import embedding_features
 from gpt4all_training.analysis.map.runs import Run, load_run
+from gpt4all_training.data.clean import dataset_row_record
 from gpt4all_training.errors import UserError
 
 # Why a record was dropped, in the order the rules run; a record counts under the first rule that drops it.
@@ -210,13 +211,15 @@ def drop_duplicates(rows: Rows, decisions: Decisions, options: CurateOptions) ->
     candidates = decisions.kept
     if options.embedder == "minilm":
         where = np.flatnonzero(candidates)
-        found = record_embeddings([rows.prompts[i] for i in where], [rows.responses[i] for i in where])
-        vectors = np.zeros((len(rows.index), found.shape[1]), dtype=np.float32)
-        vectors[where] = found
+        sides = []
+        for found in record_embeddings([rows.prompts[i] for i in where], [rows.responses[i] for i in where]):
+            side = np.zeros((len(rows.index), found.shape[1]), dtype=np.float32)
+            side[where] = found
+            sides.append(side)
     else:
         # centred first: the direction every hidden state shares says nothing about a pair
-        vectors = unit_rows(rows.embeddings - rows.embeddings.mean(axis=0))
-    near = near_duplicates(vectors, candidates, options.near_duplicates, options.seed)
+        sides = [unit_rows(rows.embeddings - rows.embeddings.mean(axis=0))]
+    near = near_duplicates(sides, candidates, options.near_duplicates, options.seed)
     found = near.duplicate_of >= 0
     decisions.drop(found, "near_duplicate")
     decisions.duplicate_of[found], decisions.similarity[found] = near.duplicate_of[found], near.similarity[found]
@@ -241,6 +244,7 @@ def removed_lines(rows: Rows, decisions: Decisions) -> Iterable[str]:
 def curate(input_path: str | Path, output_dir: str | Path, options: CurateOptions) -> dict[str, Any]:
     """Apply the rules (see the package docstring), write the dataset, the removed list and the report; returns
     the report."""
+    import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -253,11 +257,13 @@ def curate(input_path: str | Path, output_dir: str | Path, options: CurateOption
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     table = pq.read_table(run.path)
-    # The record's own fields, as clean.py wrote them; inference.py's columns are not part of a record.
+    # The record's own fields; inference.py's columns are not part of a record. Read through datasets, which decodes
+    # what it stored as JSON text (messages whose keys differ from turn to turn) back into the record's values.
     record_columns = [c for c in table.column_names if c not in ("index", *RESULT_COLUMNS)]
-    records = table.select(record_columns).take(pa.array(rows.order[kept])).to_pylist()
+    records = datasets.Dataset(table.select(record_columns).take(pa.array(rows.order[kept])))
+    lines = (json.dumps(dataset_row_record(r, s), ensure_ascii=False) for r, s in zip(records, rows.source[kept]))
     dataset = output_dir / f"{options.name}_clean.jsonl"
-    write_atomically(dataset, (json.dumps(r, ensure_ascii=False) for r in records))
+    write_atomically(dataset, lines)
     write_atomically(output_dir / REMOVED_FILE, removed_lines(rows, decisions))
 
     clusters, words = named_clusters(embedding_features(run.embeddings, options.seed), run, seed=options.seed)

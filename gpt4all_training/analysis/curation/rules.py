@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -47,24 +48,28 @@ def partition(embeddings: np.ndarray, seed: int) -> np.ndarray:
     return KMeans(n_clusters=k, random_state=seed, n_init=1).fit_predict(embeddings).astype(np.int64)
 
 
-def near_duplicates(embeddings: np.ndarray, candidates: np.ndarray, threshold: float, seed: int) -> NearDuplicates:
-    """SemDeDup: within each k-means partition of the candidate rows' unit-length embeddings, a row whose cosine
-    similarity to an earlier kept row reaches `threshold` is dropped as a duplicate of the most similar one."""
-    n = len(embeddings)
+def near_duplicates(sides: Sequence[np.ndarray], candidates: np.ndarray, threshold: float, seed: int
+                    ) -> NearDuplicates:
+    """SemDeDup: within each k-means partition of the candidate rows, a row whose similarity to an earlier kept row
+    reaches `threshold` is dropped as a duplicate of the most similar one. `sides` are unit-length embeddings of the
+    rows (a prompt's and a response's, say); two rows are as similar as their least similar side."""
+    from tqdm.auto import tqdm
+
+    n = len(sides[0])
     rows = np.flatnonzero(candidates)
     result = NearDuplicates(np.full(n, -1, dtype=np.int64), np.full(n, np.nan), np.full(n, np.nan), 0)
     if len(rows) < 2:
         return result
-    labels = partition(embeddings[rows], seed)
+    labels = partition(np.concatenate([side[rows] for side in sides], axis=1), seed)
     result.partitions = int(labels.max()) + 1
-    for p in range(result.partitions):
+    for p in tqdm(range(result.partitions), desc="near-duplicates", unit="partition", mininterval=1.0):
         members = rows[labels == p]  # ascending: dataset order
         if len(members) < 2:
             continue
-        vectors = embeddings[members]
+        vectors = [side[members] for side in sides]
         pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for start in range(0, len(members), BLOCK_ROWS):
-            block = vectors[start:start + BLOCK_ROWS] @ vectors.T
+            block = np.minimum.reduce([v[start:start + BLOCK_ROWS] @ v.T for v in vectors])
             own = np.arange(start, start + len(block))
             block[own - start, own] = -np.inf  # a row is not its own duplicate
             result.nearest[members[own]] = block.max(axis=1)

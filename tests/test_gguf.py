@@ -1,0 +1,191 @@
+"""GGUF export across the architecture matrix, each file read back by a real llama.cpp.
+
+Tiny models are built from each family's config with the features that change the file layout (GQA, Llama 3 RoPE
+scaling, qk-norm, sliding windows, soft-capping, Gemma's norms, fused projections, tied embeddings, biases, partial
+rotary, NoPE layers): 2 layers, width 256 (the k-quants' blocks are 256 long: a narrower row would fall back to
+another type), over the session's chat tokenizer. Each is written once in every type the tools give for it (one
+converter process and one quantizer process for all), then read by llama.cpp b11549 (the `xllamacpp` wheel): its
+tokenizer must give transformers' ids and its logits must match transformers' on the merged fp32 model within a
+bound derived from the type below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from gpt4all_training.errors import UserError
+from gpt4all_training.export import llama_cpp
+from gpt4all_training.export.gguf import (ARCHITECTURES, CONVERTER_TYPES, TYPES, check_architecture, plan,
+                                          save_for_conversion)
+from gpt4all_training.export.template import SAMPLING
+
+TEXT = ("Which is a species of fish? Tope or Rope. <|im_start|>assistant\nTope<|im_end|>\n"
+        "<|im_start|>user\nName 3 fish, 12 cats and 45.5 ünïcödé  spaces.<|im_end|>")
+WIDTH = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def family_configs(vocab_size: int, bos: int, eos: int) -> dict:
+    """One config per family, with the features of its released models."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
+    window = dict(sliding_window=8)  # shorter than TEXT, so the windowed layers differ from full attention
+    return {
+        "llama3": tf.LlamaConfig(**common, **WIDTH, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "mistral": tf.MistralConfig(**common, **WIDTH, sliding_window=None),
+        "qwen2": tf.Qwen2Config(**common, **WIDTH, tie_word_embeddings=True),  # q/k/v biases
+        "qwen3": tf.Qwen3Config(**common, **WIDTH, head_dim=64, tie_word_embeddings=True),  # qk-norm
+        "gemma2": tf.Gemma2Config(**common, **WIDTH, **window, head_dim=64, query_pre_attn_scalar=64,
+                                  attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        "phi3": tf.Phi3Config(**common, **{**WIDTH, "num_key_value_heads": 4}, pad_token_id=eos),  # fused qkv
+        # every fourth layer without RoPE, as llama.cpp's smollm3 graph has it
+        "smollm3": tf.SmolLM3Config(**common, **{**WIDTH, "num_hidden_layers": 4}, no_rope_layers=[1, 1, 1, 0],
+                                    pad_token_id=eos),
+        "gpt_neox": tf.GPTNeoXConfig(**common, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.25),
+    }
+
+
+# llama.cpp's converter reads these families' vocabulary only from a SentencePiece tokenizer.model.
+NEEDS_SENTENCEPIECE = ("gemma2", "phi3")
+
+
+def build(config, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # non-trivial norms and biases, so that a misplaced one shows in the logits
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(std=0.1)
+    return model
+
+
+@dataclasses.dataclass
+class Family:
+    model: object
+    files: dict  # dtype -> path of the GGUF written in it
+
+
+@pytest.fixture(scope="session")
+def matrix(chat_tokenizer, tmp_path_factory) -> dict[str, Family]:
+    """Every family written in every type the tools give for it."""
+    root = tmp_path_factory.mktemp("gguf-matrix")
+    configs = family_configs(len(chat_tokenizer), chat_tokenizer.bos_token_id, chat_tokenizer.eos_token_id)
+    families, plans = {}, []
+    for family, config in configs.items():
+        if family in NEEDS_SENTENCEPIECE:
+            continue
+        model = build(config)
+        folder = save_for_conversion(model, chat_tokenizer, root / family)
+        quantizable = ARCHITECTURES[config.model_type] in llama_cpp.QUANTIZER_ARCHITECTURES
+        dtypes = [dtype for dtype, gguf_type in TYPES.items() if quantizable or not gguf_type.quantize]
+        family_plans = {dtype: plan(folder, chat_tokenizer, root / f"{family}-{dtype}.gguf", dtype, family)
+                        for dtype in dtypes}
+        families[family] = Family(model, {dtype: steps.quantize[1] if steps.quantize else steps.convert.outfile
+                                          for dtype, steps in family_plans.items()})
+        plans += family_plans.values()
+    jobs = {steps.convert.outfile: steps.convert for steps in plans}  # one F32 file feeds every quantized type
+    llama_cpp.convert(list(jobs.values()))
+    llama_cpp.quantize([steps.quantize for steps in plans if steps.quantize])
+    return families
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+# The bound per type: every weight is rounded with a relative error of at most u (of its value for F16/BF16, of its
+# block's largest value for the quantized types: half a step of 2^-8 for Q8_0's 127 levels, 2^-4 for the 4-bit
+# types, 2^-5 and 2^-6 for Q5_K and Q6_K), and llama.cpp rounds activations to F16 or 8-bit blocks on its own side
+# (which sets u for F32). Through the layers the logit error stays a small multiple of u * max|logit|: measured at
+# most 4.5 u (Q8_0; 0.5-3.5 u for the others) on these models; 8 u leaves room for other seeds.
+UNIT_ROUNDOFF = {"f32": 2.0**-11, "f16": 2.0**-11, "bf16": 2.0**-8, "q8_0": 2.0**-8, "q6_k": 2.0**-6,
+                 "q5_k_m": 2.0**-5, "q4_k_m": 2.0**-4, "q4_0": 2.0**-4}
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "smollm3", "gpt_neox"])
+def test_llama_cpp_reads_every_type_as_transformers_runs_the_model(matrix, chat_tokenizer, family):
+    ids = chat_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    expected = hf_logits(matrix[family].model, ids)
+    scale = float(np.abs(expected).max())
+    quantizable = family in ("llama3", "mistral", "qwen2", "gpt_neox")
+    assert set(matrix[family].files) == (set(TYPES) if quantizable else set(CONVERTER_TYPES))
+    differences = {}
+    for dtype, path in matrix[family].files.items():
+        with llama_cpp.LlamaCppModel(path) as model:
+            assert model.tokenize(TEXT, add_special=False) == ids, (family, dtype)
+            differences[dtype] = float(np.abs(model.logits(ids) - expected).max())
+    print(family, {dtype: f"{difference:.1e}" for dtype, difference in differences.items()}, f"max|logit| {scale:.2f}")
+    assert {dtype: difference for dtype, difference in differences.items()
+            if difference > 8 * UNIT_ROUNDOFF[dtype] * scale} == {}
+    assert differences["q8_0"] > differences["f16"]  # the types differ: each file holds what its name says
+
+
+def test_a_file_carries_template_stop_tokens_sampling_and_names(matrix, chat_tokenizer):
+    end_of_turn = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with llama_cpp.LlamaCppModel(matrix["llama3"].files["q4_k_m"]) as model:
+        fields = {key: model.metadata(key) for key in (
+            "general.architecture", "general.name", "general.file_type", "tokenizer.ggml.pre",
+            "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.chat_template",
+            *(f"general.sampling.{key}" for key in SAMPLING))}
+        prompt = model.apply_chat_template([{"role": "user", "content": "Name 3 fish."}])
+        assert model.is_end_of_generation(end_of_turn)
+    assert fields == {
+        "general.architecture": "llama", "general.name": "llama3", "general.file_type": "15",  # MOSTLY_Q4_K_M
+        "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.eos_token_id": str(end_of_turn),
+        "tokenizer.ggml.eot_token_id": str(end_of_turn), "tokenizer.chat_template": chat_tokenizer.chat_template,
+        "general.sampling.temp": "0.000000", "general.sampling.top_k": "0", "general.sampling.top_p": "1.000000",
+        "general.sampling.penalty_repeat": "1.000000"}
+    # llama.cpp renders the file's template itself, as transformers does.
+    assert prompt == chat_tokenizer.apply_chat_template([{"role": "user", "content": "Name 3 fish."}],
+                                                        add_generation_prompt=True, tokenize=False)
+
+
+def test_sampling_is_what_generate_and_eval_default_to():
+    from gpt4all_training.generation.generate import Sampling
+
+    default = Sampling()
+    assert SAMPLING == {"temp": default.temperature, "top_k": default.top_k, "top_p": default.top_p,
+                        "penalty_repeat": default.repetition_penalty}
+
+
+def test_what_cannot_be_written_is_refused_in_one_line_naming_what_can():
+    from transformers import Gemma3TextConfig, GPTJConfig, Qwen3Config
+
+    with pytest.raises(UserError) as error:
+        check_architecture(Qwen3Config(), "q4_k_m")
+    assert str(error.value) == ("--dtype q4_k_m: llama.cpp's quantizer installed here (gpt4all 2.8.2's, mid-2024) "
+                                "predates qwen3; for qwen3 write one of f32, f16, bf16, q8_0 (and quantize it with a "
+                                "current llama-quantize)")
+    check_architecture(Qwen3Config(), "q8_0")
+    with pytest.raises(UserError, match=r"^--format gguf: model type 'gemma3_text' is not supported; GGUF is "
+                                        r"written for gemma2, gpt_neox, llama, mistral, phi3, qwen2, qwen3, smollm3; "
+                                        r"use --format hf$"):
+        check_architecture(Gemma3TextConfig(), "f16")
+    with pytest.raises(UserError, match="^--format gguf: GPT-J cannot be exported as GGUF"):
+        check_architecture(GPTJConfig(), "f16")
+
+
+@pytest.mark.slow
+def test_a_family_whose_converter_needs_sentencepiece_is_refused_in_one_line(chat_tokenizer, tmp_path):
+    """llama.cpp's converter reads Phi-3's (and Gemma 2's) vocabulary only from tokenizer.model."""
+    from gpt4all_training.export.hf import export
+
+    configs = family_configs(len(chat_tokenizer), chat_tokenizer.bos_token_id, chat_tokenizer.eos_token_id)
+    save_for_conversion(build(configs["phi3"]), chat_tokenizer, tmp_path / "phi3")
+    with pytest.raises(UserError) as error:
+        export(str(tmp_path / "phi3"), str(tmp_path / "out"), "gguf", "q8_0")
+    assert str(error.value) == ("--format gguf: llama.cpp's converter writes Phi3ForCausalLM only with its "
+                                "SentencePiece tokenizer.model, and the model has none (put the base model's "
+                                "tokenizer.model next to the weights); use --format hf")
+    assert not (tmp_path / "out").exists()
