@@ -25,7 +25,9 @@ FOUNDATIONS = {"config", "batch", "errors"}
 COMPONENTS = {"data", "model", "backends", "tracking"}
 STAGES = {"preflight", "analysis", "generation", "export", "evaluation", "serving"}
 LAYERS: dict[str, set[str]] = {
-    "cli": {"training", *STAGES, *COMPONENTS, *FOUNDATIONS},
+    "cli": {"studio", "training", *STAGES, *COMPONENTS, *FOUNDATIONS},
+    # The web app: a window over the stages (and training's run folders), as the CLI is.
+    "studio": {"training", *STAGES, *COMPONENTS, *FOUNDATIONS},
     **{stage: {"training", *COMPONENTS, *FOUNDATIONS} for stage in STAGES},
     "training": {*COMPONENTS, *FOUNDATIONS},
     **{component: FOUNDATIONS for component in COMPONENTS},

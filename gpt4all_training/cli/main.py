@@ -29,6 +29,7 @@ COMMANDS = {
     "check": ("gpt4all_training.cli.check", "pre-flight checks before a long run"),
     "eval": ("gpt4all_training.cli.eval", "benchmark scores from lm-evaluation-harness"),
     "serve": ("gpt4all_training.cli.serve", "an OpenAI-compatible HTTP server with batched generation"),
+    "studio": ("gpt4all_training.cli.studio", "a local web app: data, runs, the map, evaluation, chat and export"),
 }
 
 

@@ -252,22 +252,27 @@ TRAINED_MARKS = ("{+", "+}")  # wdiff's marks for inserted text; with colour on 
 TRAINED_COLOUR = ("\x1b[32m", "\x1b[0m")
 
 
-def show_example(row: dict[str, Any], tokenizer, colour: bool = False) -> str:
-    """The example as text, with trained spans between {+ and +} (and green with `colour`), untrained text plain."""
+def trained_spans(row: dict[str, Any], tokenizer) -> list[tuple[bool, str]]:
+    """The example's text in runs of trained and untrained tokens, in order: (trained, text) per run."""
     parts, current, current_masked = [], [], None
     for token, label in zip(row["input_ids"], row["labels"]):
         masked = label == IGNORE
         if current and masked != current_masked:
-            parts.append((current_masked, tokenizer.decode(current)))
+            parts.append((not current_masked, tokenizer.decode(current)))
             current = []
         current.append(token)
         current_masked = masked
     if current:
-        parts.append((current_masked, tokenizer.decode(current)))
+        parts.append((not current_masked, tokenizer.decode(current)))
+    return parts
+
+
+def show_example(row: dict[str, Any], tokenizer, colour: bool = False) -> str:
+    """The example as text, with trained spans between {+ and +} (and green with `colour`), untrained text plain."""
     start, end = TRAINED_MARKS
     if colour:
         start, end = TRAINED_COLOUR[0] + start, end + TRAINED_COLOUR[1]
-    return "".join(text if masked else f"{start}{text}{end}" for masked, text in parts)
+    return "".join(f"{start}{text}{end}" if trained else text for trained, text in trained_spans(row, tokenizer))
 
 
 def dump_examples(splits: dict[str, Any], path: str | Path) -> int:

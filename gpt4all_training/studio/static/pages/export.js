@@ -1,0 +1,38 @@
+// Export: `export` of a final/ or checkpoint as one GGUF file (with the chat template, for llama.cpp, GPT4All and
+// Ollama) or a slim HF folder, with a download link per file.
+import {runJob} from "../api.js";
+import {$, busy, el, listing, setOptions, showCommand} from "../ui.js";
+
+function size(bytes) {
+  const [unit, scale] = [["GB", 1e9], ["MB", 1e6], ["kB", 1e3]].find(([, s]) => bytes >= s) ?? ["bytes", 1];
+  return `${scale === 1 ? bytes : (bytes / scale).toFixed(1)} ${unit}`;
+}
+
+function defaultTarget() {
+  const source = $("export-source").value;
+  if (!source) return;
+  const parts = source.split("/");
+  const run = parts.length > 1 ? parts[parts.length - 2] : parts[0];
+  $("export-to").value = `exports/${run}-${parts[parts.length - 1]}-${$("export-format").value}`;
+}
+
+export function init() {
+  $("export-source").addEventListener("change", defaultTarget);
+  $("export-format").addEventListener("change", defaultTarget);
+  $("export-button").addEventListener("click", event => busy("export", event.target, async () => {
+    const result = await runJob("export", {source: $("export-source").value, to: $("export-to").value,
+                                           format: $("export-format").value, dtype: $("export-dtype").value || null},
+                                job => {
+                                  showCommand("export", job.commands);
+                                  $("export-log").textContent = job.log.join("\n");
+                                });
+    $("export-files").replaceChildren(...result.files.map(file => el("li", {},
+      el("a", {class: "download", href: `/files/${file.path}?download=1`, download: file.path.split("/").pop(),
+               text: file.path}), ` ${size(file.bytes)}`)));
+  }));
+}
+
+export async function show() {
+  setOptions($("export-source"), (await listing()).models);
+  if (!$("export-to").value) defaultTarget();
+}

@@ -1,0 +1,76 @@
+// Map and curate: `inference` and `build_map` of a run (a job), the map in the page (its own selection tools: search,
+// a cluster, the lasso), `curate` from its selection, and training again on the curated folder.
+import {get, runJob} from "../api.js";
+import {$, busy, listing, setOptions, showCommand} from "../ui.js";
+
+let runs = [];
+let shownMap = null;  // the inference folder whose map is shown
+
+function modelsOf(name) {
+  const run = runs.find(r => r.name === name);
+  if (!run) return [];
+  return [...(run.final ? [run.final] : []), ...run.checkpoints.map(step => `${run.output_dir}/step_${step}`)];
+}
+
+function showMap(folder) {
+  shownMap = folder;
+  $("map-frame").src = `/files/${folder}/map.html`;
+  $("curate-output").value = `data/${folder.split("/").pop()}-curated`;
+}
+
+// The map page keeps its selection in its #selection-json box: {"input": ..., "ids": [...]}, or empty.
+function selection() {
+  const box = $("map-frame").contentDocument?.getElementById("selection-json");
+  const text = box ? box.value || box.textContent : "";
+  return text ? JSON.parse(text).ids : null;
+}
+
+async function refresh() {
+  runs = (await get("/api/runs")).runs.filter(r => r.final || r.checkpoints.length);
+  setOptions($("map-run"), runs.map(r => r.name));
+  setOptions($("map-model"), modelsOf($("map-run").value));
+  setOptions($("map-existing"), (await listing()).maps, "(a map built before)");
+}
+
+export function init() {
+  $("map-run").addEventListener("change", () => setOptions($("map-model"), modelsOf($("map-run").value)));
+  $("map-existing").addEventListener("change", () => $("map-existing").value && showMap($("map-existing").value));
+  $("map-build").addEventListener("click", event => busy("map", event.target, async () => {
+    const result = await runJob("map", {run: $("map-run").value, model: $("map-model").value,
+                                        layout: $("map-layout").value}, job => {
+      showCommand("map", job.commands);
+      $("map-log").textContent = job.log.join("\n");
+    });
+    $("map-log").textContent += `\n${result.points} points; map ${result.map}`;
+    showMap(result.input);
+  }));
+  $("curate-button").addEventListener("click", event => busy("map", event.target, async () => {
+    if (!shownMap) throw new Error("error: build or open a map first");
+    const mode = document.querySelector("input[name=curate-mode]:checked").value;
+    const ids = mode === "none" ? null : selection();
+    if (mode !== "none" && ids === null) throw new Error("error: select points on the map first (search, a " +
+                                                         "cluster row or the lasso), or ignore the selection");
+    const number = id => $(id).value === "" ? null : Number($(id).value);
+    const result = await runJob("curate", {input: shownMap, output: $("curate-output").value, ids,
+                                           keep_selected: mode === "include", near_duplicates: number("curate-near"),
+                                           loss_above: number("curate-above"), loss_below: number("curate-below")},
+                                job => showCommand("map", job.commands));
+    const dropped = Object.entries(result.dropped).map(([k, v]) => `${k} ${v}`).join(", ") || "none";
+    $("curate-result").textContent = `read ${result.read}, kept ${result.kept}, dropped ${dropped}: ` +
+                                     `${result.output}`;
+    $("curate-train").disabled = false;
+    $("curate-train").dataset.dataset = result.dataset_path;
+  }));
+  // Training again: the config of the run the map was made from, on the curated folder, as a new run.
+  $("curate-train").addEventListener("click", () => {
+    const name = shownMap.split("/").pop();
+    const run = runs.find(r => r.name === name);
+    sessionStorage.setItem("studio-train", JSON.stringify({config: run?.config ?? null, name: `${name}-curated`,
+                                                           dataset_path: $("curate-train").dataset.dataset}));
+    location.hash = "#train";
+  });
+}
+
+export async function show() {
+  await refresh();
+}

@@ -1,0 +1,52 @@
+// Small helpers every page uses: finding and making elements, filling selects, the error line and the command box.
+import {get} from "./api.js";
+
+export const $ = id => document.getElementById(id);
+
+export function el(tag, attributes = {}, ...children) {
+  const element = document.createElement(tag);
+  for (const [key, value] of Object.entries(attributes)) {
+    if (key === "class") element.className = value;
+    else if (key === "text") element.textContent = value;
+    else if (key.startsWith("on")) element.addEventListener(key.slice(2), value);
+    else element.setAttribute(key, value);
+  }
+  element.append(...children);
+  return element;
+}
+
+// Replace a select's options with `values` ([value] or [value, label]), keeping the current choice if still there.
+export function setOptions(select, values, placeholder) {
+  const current = select.value;
+  const options = values.map(v => Array.isArray(v) ? v : [v, v]);
+  select.replaceChildren(...(placeholder !== undefined ? [el("option", {value: "", text: placeholder})] : []),
+                         ...options.map(([value, label]) => el("option", {value, text: label})));
+  if (options.some(([value]) => value === current)) select.value = current;
+}
+
+// The page's one error line (the CLI's `error: ...`), or nothing.
+export function showError(page, error) {
+  $(`${page}-error`).textContent = error ? (error.message || String(error)) : "";
+}
+
+// The equivalent command line(s) of what the page did last.
+export function showCommand(page, commands) {
+  const lines = Array.isArray(commands) ? commands : [commands];
+  $(`${page}-command`).textContent = lines.filter(Boolean).join("\n");
+}
+
+// Run `action` with `button` disabled; its error lands on the page's error line.
+export async function busy(page, button, action) {
+  button.disabled = true;
+  showError(page, null);
+  try {
+    return await action();
+  } catch (error) {
+    showError(page, error);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+// The workdir's data files, configs, models, maps and exports (GET /api/files), for the pickers.
+export const listing = () => get("/api/files");

@@ -1,0 +1,101 @@
+"""What the studio's tests share: a workdir holding a tiny chat model and a ShareGPT file, and a real studio process
+(`gpt4all-training studio` on a free port) to start, kill and start again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from support.files import write_jsonl
+from support.launch import free_port
+from support.models import build_tiny_llama
+from support.paths import PYTHON, REPO
+
+STARTUP_TIMEOUT_S = 180
+# ShareGPT conversations: each topic asked in each way (64 distinct ones: two optimizer steps of 32), then a duplicate
+# of the first, one that ends on the user's turn and one with no turns, which clean drops as duplicate,
+# last_turn_not_assistant and malformed_messages.
+TOPICS = [("Name a colour.", "Red is a colour."), ("Name a fruit.", "An apple is a fruit."),
+          ("Name a planet.", "Mars is a planet."), ("Name a metal.", "Iron is a metal."),
+          ("Name an animal.", "A dog is an animal."), ("Name a drink.", "Tea is a drink."),
+          ("Name a month.", "May is a month."), ("Name a day.", "Monday is a day.")]
+ASKED = ("{}", "Please: {}", "Quick: {}", "Now: {}", "Again: {}", "Tell me: {}", "Question: {}", "One more: {}")
+CONVERSATIONS = len(TOPICS) * len(ASKED)
+DROPPED = {"duplicate": 1, "last_turn_not_assistant": 1, "malformed_messages": 1}
+
+
+def sharegpt_rows() -> list[dict[str, Any]]:
+    rows = [{"conversations": [{"from": "human", "value": way.format(question)}, {"from": "gpt", "value": answer}]}
+            for way in ASKED for question, answer in TOPICS]
+    return [*rows, rows[0], {"conversations": [{"from": "human", "value": "Anyone there?"}]}, {"conversations": []}]
+
+
+def make_workdir(root: Path, chat_tokenizer) -> Path:
+    """root/ with models/tiny (a 2-layer Llama over the ChatML tokenizer: GGUF export takes Llama) and
+    upload/chat.jsonl (the ShareGPT file a user would upload; outside data/, where the upload puts it)."""
+    model = build_tiny_llama(chat_tokenizer)
+    model.save_pretrained(root / "models" / "tiny")
+    chat_tokenizer.save_pretrained(root / "models" / "tiny")
+    write_jsonl(root / "upload" / "chat.jsonl", sharegpt_rows())
+    return root
+
+
+@dataclass
+class Studio:
+    process: subprocess.Popen
+    url: str
+    key: Optional[str]
+    log: Path
+
+    def request(self, method: str, path: str, body: Any = None, key: Optional[str] = "default",
+                headers: Optional[dict[str, str]] = None) -> tuple[int, Any]:
+        """(status, parsed JSON body) of one request; `key` "default" sends the studio's own key."""
+        key = self.key if key == "default" else key
+        sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
+                **(headers or {})}
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.url}{path}", data=data, headers=sent, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+
+def start_studio(workdir: Path, log: Path, key: Optional[str] = None, port: Optional[int] = None) -> Studio:
+    """`gpt4all-training studio --workdir WORKDIR` (with --api-key-env when `key`), once it answers."""
+    port = port or free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           **({"STUDIO_TEST_KEY": key} if key else {})}
+    command = [PYTHON, "-m", "gpt4all_training.cli", "studio", "--workdir", str(workdir), "--port", str(port),
+               *(["--api-key-env", "STUDIO_TEST_KEY"] if key else [])]
+    with open(log, "a") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    studio = Studio(process, f"http://127.0.0.1:{port}", key, log)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the studio exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{studio.url}/", timeout=2):
+                return studio
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"the studio was not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def stop_studio(studio: Studio) -> None:
+    if studio.process.poll() is None:
+        studio.process.terminate()
+        try:
+            studio.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            studio.process.kill()
+            studio.process.wait(timeout=10)

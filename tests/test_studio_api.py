@@ -1,0 +1,413 @@
+"""The studio's JSON API without a browser, through FastAPI's TestClient (the app in this process, run from its
+workdir as the CLI runs it): each action with good input gives what the CLI gives, and with bad input the CLI's one
+line and the right status (400; 401 without the key; 403 for a path outside the workdir or a request from another
+site; 409 for a run in the way; 413 past a size limit), with nothing written. Also the supervisor a run is started
+under, with real signals, and the run states read back from run folders.
+
+The whole path in a real browser, with real runs, is tests/test_studio_e2e.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.files import write_jsonl
+from support.paths import REPO
+from support.studio import CONVERSATIONS, DROPPED, make_workdir, sharegpt_rows
+
+from gpt4all_training.cli.config_options import DOC_INDENT, config_keys_help
+from gpt4all_training.cli.main import main
+from gpt4all_training.config.loader import load_config
+from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.studio.app import StudioSettings, create_app
+from gpt4all_training.studio.configs import ACCELERATE_DIR, PRESETS_DIR
+from gpt4all_training.studio.runs import RECORD_FILE, Launch, commands, overlapping, run_info
+from gpt4all_training.studio.supervise import EXIT_FILE, LOG_FILE
+from gpt4all_training.studio.workdir import Workdir
+
+PRESET = "configs/train/chat_tiny.yaml"
+KEY = "studio-test-key-0123456789"
+
+
+@contextlib.contextmanager
+def working_in(folder: Path):
+    """The studio runs from its workdir (as `gpt4all-training studio` does after its chdir)."""
+    before = Path.cwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, chat_tokenizer) -> Path:
+    return make_workdir(tmp_path_factory.mktemp("studio-api"), chat_tokenizer)
+
+
+def client_for(workdir: Path, **settings):
+    from fastapi.testclient import TestClient
+
+    return TestClient(create_app(StudioSettings(workdir=workdir, **settings)), base_url="http://127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def client(workdir):
+    with working_in(workdir), client_for(workdir) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def cleaned(client, workdir) -> dict:
+    """The ShareGPT file uploaded and cleaned into data/chat-clean."""
+    body = (workdir / "upload" / "chat.jsonl").read_bytes()
+    assert client.post("/api/upload", params={"path": "data/chat.jsonl"}, content=body).status_code == 200
+    response = client.post("/api/clean", json={"inputs": ["data/chat.jsonl"], "output_dir": "data/chat-clean"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def values(**changes) -> dict:
+    """The chat preset's keys with `changes`: what the form sends."""
+    import yaml
+
+    return {**yaml.safe_load((PRESETS_DIR / "chat_tiny.yaml").read_text()), "model_name": "models/tiny",
+            "dataset_path": "data/chat-clean", "output_dir": "runs/api", **changes}
+
+
+def cli_error(capsys, *argv: str) -> str:
+    """The line `gpt4all-training ARGV` prints on stderr, which must exit 2 (a user's mistake)."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    assert exited.value.code == 2
+    return capsys.readouterr().err.strip()
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_upload_takes_jsonl_and_leaves_nothing_of_a_refused_file(client, workdir, cleaned):
+    status = client.post("/api/upload", params={"path": "data/table.jsonl"}, content=b"name,answer\nred,1\n")
+    assert (status.status_code, status.json()) == (400, {"error": "error: upload data/table.jsonl: line 1 is not "
+                                                                  "JSON; a JSONL file holds one JSON object a line"})
+    status = client.post("/api/upload", params={"path": "data/table.csv"}, content=b"a,b\n")
+    assert status.status_code == 400 and "only JSONL files" in status.json()["error"]
+    status = client.post("/api/upload", params={"path": "data/list.jsonl"}, content=b'{"a": 1}\n[1, 2]\n')
+    assert status.json()["error"].endswith("line 2 is a JSON list, not an object; a JSONL file holds one JSON "
+                                           "object a line")
+    status = client.post("/api/upload", params={"path": "data/chat.jsonl"}, content=b'{"a": 1}\n')
+    assert status.status_code == 400 and "exists" in status.json()["error"]
+    with working_in(workdir), client_for(workdir, max_upload_bytes=100) as small:
+        status = small.post("/api/upload", params={"path": "data/big.jsonl"}, content=b'{"text": "x"}\n' * 20)
+    assert status.status_code == 413
+    # Only the accepted upload and what clean wrote are in data/: no partial or refused file.
+    assert sorted(p.relative_to(workdir / "data").as_posix() for p in (workdir / "data").rglob("*")) == [
+        "chat-clean", "chat-clean/chat_clean.jsonl", "chat-clean/clean_report.json", "chat.jsonl"]
+
+
+def test_clean_reports_kept_and_dropped_by_reason_as_the_cli_writes_them(cleaned, workdir):
+    entry = cleaned["report"]["files"]["data/chat.jsonl"]
+    assert (entry["read"], entry["kept"], entry["dropped"]) == (len(sharegpt_rows()), CONVERSATIONS, DROPPED)
+    assert entry["kept"] + entry["dropped_total"] == entry["read"]
+    assert cleaned["report"] == json.loads((workdir / "data" / "chat-clean" / "clean_report.json").read_text())
+    assert cleaned["command"] == "gpt4all-training clean data/chat.jsonl --output-dir data/chat-clean"
+
+
+def test_a_clean_that_keeps_nothing_is_an_error_with_the_counts(client, workdir):
+    write_jsonl(workdir / "data" / "empty-turns.jsonl", [{"conversations": []}, {"conversations": []}])
+    response = client.post("/api/clean", json={"inputs": ["data/empty-turns.jsonl"], "output_dir": "data/empty"})
+    assert response.status_code == 400
+    assert response.json()["error"] == ("error: clean: kept 0 of 2 records (malformed_messages 2); see "
+                                        "data/empty/clean_report.json")
+
+
+def test_examples_mark_the_trained_tokens_exactly_as_data_show_does(client, workdir, cleaned, capsys):
+    response = client.post("/api/data", json={"config": PRESET, "model_name": "models/tiny",
+                                              "dataset_path": "data/chat-clean", "show": 3})
+    assert response.status_code == 200, response.text
+    shown = response.json()
+    start, end = shown["marks"]
+    with working_in(workdir):
+        with pytest.raises(SystemExit) as exited:
+            main(shown["command"].split()[1:])
+    assert exited.value.code == 0
+    printed = capsys.readouterr().out
+    blocks = re.split(r"^--- example .*\n", printed, flags=re.MULTILINE)[1:]
+    blocks[-1], _, statistics = blocks[-1].partition("\ntrain: ")  # the last example, then the statistics
+    blocks[-1] += "\n"  # the newline `print` ended it with, as it ends the others
+    assert [block.removesuffix("\n") for block in blocks] == [
+        "".join(f"{start}{text}{end}" if trained else text for trained, text in example["spans"])
+        for example in shown["examples"]]
+    assert f"train: {statistics}".splitlines() == shown["summary"]
+    assert len(shown["examples"]) == 3 and all(example["n_trained"] > 0 for example in shown["examples"])
+
+
+# ---------------------------------------------------------------- configs
+
+
+def test_the_form_lists_the_keys_and_docs_train_help_lists(client):
+    form = client.get("/api/form").json()
+    fields = [field for block in form["blocks"] for field in block["fields"]]
+    help_lines = config_keys_help(TrainConfig).splitlines()
+    help_keys = [line.split(":")[0].strip() for line in help_lines
+                 if line.startswith("  ") and not line.startswith(DOC_INDENT)]
+    assert [field["name"] for field in fields] == help_keys
+    assert [block["title"] for block in form["blocks"]] == [title for title, _ in TrainConfig.groups()]
+    docs = {f.name: f.metadata["doc"] for f in TrainConfig.__dataclass_fields__.values()}
+    assert {field["name"]: field["doc"] for field in fields} == docs
+    assert PRESET in form["presets"]
+
+
+def test_a_saved_config_is_one_the_cli_loads(client, workdir, cleaned):
+    response = client.post("/api/configs", json={"name": "api", "values": values(max_steps=7)})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"path": "configs/api.yaml", "output_dir": "runs/api",
+                               "command": "gpt4all-training train --config configs/api.yaml"}
+    with working_in(workdir):
+        config = load_config("configs/api.yaml")
+    assert (config.max_steps, config.lr, config.model_name) == (7, 3e-3, "models/tiny")
+
+
+@pytest.mark.parametrize("changes, cli_override", [({"lr": -1}, "lr=-1"),
+                                                   ({"batch_size": "eight"}, "batch_size=eight"),
+                                                   ({"lr_schedule": "linear"}, "lr_schedule=linear")])
+def test_a_config_that_fails_validation_gets_the_clis_line(client, workdir, capsys, changes, cli_override):
+    response = client.post("/api/configs", json={"name": "broken", "values": values(**changes)})
+    expected = cli_error(capsys, "plan", "--config", str(PRESETS_DIR / "chat_tiny.yaml"), "model_name=models/tiny",
+                         "dataset_path=data/chat-clean", cli_override)
+    assert (response.status_code, response.json()["error"]) == (400, expected)
+    assert sorted(p.name for p in (workdir / "configs").iterdir()) == ["api.yaml"]  # nothing saved, no leftovers
+
+
+def test_an_unknown_key_and_an_output_dir_outside_runs_are_refused(client):
+    response = client.post("/api/configs", json={"name": "x", "values": {**values(), "learning_rate": 1e-4}})
+    assert response.json()["error"] == "error: learning_rate: unknown key; the form sends the keys `train --help` lists"
+    response = client.post("/api/configs", json={"name": "x", "values": values(output_dir="ckpts/x")})
+    assert response.json()["error"] == ("error: output_dir ckpts/x: the studio keeps runs in runs/; set output_dir: "
+                                        "runs/x")
+    response = client.post("/api/configs", json={"name": "../x", "values": values()})
+    assert response.status_code == 400 and "name '../x'" in response.json()["error"]
+
+
+# ---------------------------------------------------------------- confinement, keys, other sites
+
+
+def test_paths_outside_the_workdir_are_403_and_nothing_is_written(client, workdir, tmp_path):
+    outside = tmp_path / "outside"
+    (workdir / "data" / "link").symlink_to(tmp_path)
+    requests = [
+        ("/api/clean", {"inputs": ["../outside.jsonl"], "output_dir": "data/x"}, "inputs ../outside.jsonl: '..'"),
+        ("/api/clean", {"inputs": ["/etc/hostname"], "output_dir": "data/x"}, "inputs /etc/hostname: outside"),
+        ("/api/clean", {"inputs": ["data/chat.jsonl"], "output_dir": str(outside)}, f"output_dir {outside}: outside"),
+        ("/api/clean", {"inputs": ["data/link/x.jsonl"], "output_dir": "data/x"}, "inputs data/link/x.jsonl: outside"),
+        ("/api/data", {"config": PRESET, "model_name": "models/tiny", "dataset_path": "../../data"}, "dataset_path"),
+        ("/api/configs", {"name": "x", "values": values(model_name="/etc")}, "model_name /etc: outside"),
+        ("/api/configs", {"name": "x", "values": values(cache_dir="runs/../../cache")}, "cache_dir runs/../../cache"),
+        ("/api/jobs/export", {"source": "models/tiny", "to": str(outside), "format": "gguf"}, "to "),
+        ("/api/jobs/eval", {"models": ["../m"], "tasks": ["gpt4all_exact_match"], "name": "x"}, "models ../m"),
+        ("/api/chat", {"model": "/etc", "messages": [{"role": "user", "content": "hi"}]}, "model /etc: outside"),
+    ]
+    for path, body, named in requests:
+        response = client.post(path, json=body)
+        assert response.status_code == 403, (path, body, response.text)
+        assert response.json()["error"].startswith(f"error: {named}"), response.json()
+    for name in ("/etc/hostname", "data/link/anything"):
+        assert client.get(f"/files/{name}").status_code == 403
+    assert not outside.exists() and not (workdir / "data" / "x").exists()
+
+
+def test_with_a_key_every_api_request_needs_it_and_the_page_trades_it_for_a_cookie(workdir):
+    with working_in(workdir), client_for(workdir, api_key=KEY) as keyed:
+        assert keyed.get("/api/runs").status_code == 401
+        assert keyed.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        refused = keyed.get("/files/upload/chat.jsonl")
+        assert refused.status_code == 401 and KEY not in refused.text
+        assert keyed.get("/api/runs", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        page = keyed.get("/")  # the page itself holds no data: it loads, to ask for the key
+        assert page.status_code == 200 and KEY not in page.text
+        assert keyed.post("/api/login", json={"key": "wrong"}).status_code == 401
+        assert keyed.post("/api/login", json={"key": KEY}).status_code == 200
+        assert keyed.get("/api/runs").status_code == 200  # the session cookie, not the key
+        assert KEY not in str(keyed.cookies)
+
+
+def test_requests_for_another_host_or_from_another_site_are_403(client):
+    assert client.get("/api/runs", headers={"Host": "attacker.example"}).status_code == 403
+    response = client.post("/api/plan", json={"config": "configs/api.yaml"},
+                           headers={"Origin": "http://attacker.example"})
+    assert response.status_code == 403 and "origin 'http://attacker.example'" in response.json()["error"]
+    assert client.get("/api/runs", headers={"Host": "[::1"}).status_code == 403
+    assert client.get("/api/runs", headers={"Origin": "http://attacker.example"}).status_code == 200  # reads only
+
+
+# ---------------------------------------------------------------- jobs and runs with bad input
+
+
+def test_jobs_refuse_bad_input_at_once_or_fail_with_the_clis_line(client, workdir):
+    assert client.post("/api/jobs/export", json={"source": "models/tiny", "to": "exports/x", "format": "zip"}
+                       ).json() == {"error": "error: format: must be hf or gguf, got 'zip'"}
+    assert client.post("/api/jobs/eval", json={"models": ["models/tiny"], "tasks": [], "name": "x"}
+                       ).json() == {"error": "error: tasks: choose at least one task"}
+    assert client.post("/api/jobs/map", json={"run": "nothing", "model": "x"}).json() == {
+        "error": "error: run nothing: no such run in runs/"}
+    assert client.post("/api/jobs/curate", json={"input": "data", "output": "data/c", "ids": [1]}).json() == {
+        "error": "error: --input data/inference.parquet: no inference output here; run inference.py first (it "
+                 "writes output_dir/inference.parquet)"}
+    job = client.post("/api/jobs/export", json={"source": "data", "to": "exports/x", "format": "hf"}).json()
+    while job["state"] == "running":
+        time.sleep(0.1)
+        job = client.get(f"/api/jobs/{job['id']}").json()
+    assert job["state"] == "failed" and job["error"].startswith("error: ") and "data" in job["error"], job
+    assert not (workdir / "exports" / "x").exists() and not (workdir / "data" / "selection.json").exists()
+    response = client.post("/api/runs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.json() == {"error": "error: the request body is not valid JSON"}
+    response = client.post("/api/chat", json={"model": "models/tiny", "messages": [{"role": "robot",
+                                                                                   "content": "hi"}]})
+    assert response.status_code == 400 and response.json()["error"].startswith("error: messages.0.role")
+
+
+def test_a_run_of_an_invalid_or_missing_config_is_refused(client):
+    assert client.post("/api/runs", json={"config": "configs/none.yaml"}).json()["error"] == (
+        "error: config configs/none.yaml: file not found; pass an existing YAML file to --config")
+    response = client.post("/api/runs", json={"config": "configs/api.yaml", "launcher": "torchrun"})
+    assert response.json()["error"] == "error: launcher 'torchrun': must be one of python, accelerate"
+    response = client.post("/api/runs", json={"config": "configs/api.yaml", "devices": "gpu0"})
+    assert response.json()["error"].startswith("error: devices 'gpu0'")
+    assert client.post("/api/runs/none/stop").json()["error"] == "error: run none: no such run in runs/"
+
+
+def test_device_sets_overlap_unless_both_name_different_devices():
+    assert overlapping(None, frozenset({"0"})) and overlapping(frozenset({"0", "1"}), frozenset({"1"}))
+    assert not overlapping(frozenset({"0"}), frozenset({"1"}))
+
+
+# ---------------------------------------------------------------- runs: state from folders, the supervisor
+
+
+def finished_process() -> dict:
+    """A record naming a process that has ended (its id and start time)."""
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(child.pid).create_time()
+    child.wait()
+    return {"pid": child.pid, "create_time": created, "command": "gpt4all-training train --config configs/x.yaml",
+            "config": "configs/x.yaml", "launch": None}
+
+
+def test_run_states_are_read_from_the_run_folders(tmp_path):
+    workdir = Workdir(tmp_path)
+    runs = tmp_path / "runs"
+    (runs / "done" / "final").mkdir(parents=True)
+    (runs / "done" / "final" / "COMPLETE").write_text("{}")
+    (runs / "done" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n')
+    (runs / "cut" / "step_2").mkdir(parents=True)
+    (runs / "cut" / "step_2" / "COMPLETE").write_text("{}")
+    (runs / "cut" / "metrics.jsonl").write_text('{"step": 2, "loss": 2.0}\n')
+    (runs / "broken").mkdir()
+    (runs / "broken" / RECORD_FILE).write_text(json.dumps(finished_process()))
+    (runs / "broken" / EXIT_FILE).write_text(json.dumps({"exit_code": 2, "stop_signal": None}))
+    (runs / "broken" / LOG_FILE).write_text("loading\nerror: dataset_path data/x: no records\n")
+    (runs / "stopped").mkdir()
+    (runs / "stopped" / RECORD_FILE).write_text(json.dumps(finished_process()))
+    (runs / "stopped" / EXIT_FILE).write_text(json.dumps({"exit_code": 1, "stop_signal": "SIGTERM"}))
+    states = {name: run_info(workdir, runs / name) for name in ("done", "cut", "broken", "stopped")}
+    assert {name: info["state"] for name, info in states.items()} == {
+        "done": "finished", "cut": "stopped", "broken": "failed", "stopped": "stopped"}
+    done = states["done"]
+    assert (done["step"], done["last"]["loss"], done["final"]) == (2, 2.0, "runs/done/final")
+    assert states["cut"]["checkpoints"] == [2] and not states["cut"]["resumable"]  # not the studio's: the CLI resumes
+    assert states["broken"]["error"] == "error: dataset_path data/x: no records"
+
+
+CHILD = """
+import signal, sys, time
+received = []
+signal.signal(signal.SIGTERM, lambda *a: received.append(1))
+print("ready", flush=True)
+while not received:
+    time.sleep(0.05)
+time.sleep(0.5)  # a second signal, if one came, would arrive meanwhile
+print(f"signals {len(received)}", flush=True)
+sys.exit(143)
+"""
+
+
+def test_the_supervisor_forwards_one_sigterm_and_records_the_exit(tmp_path):
+    supervisor = subprocess.Popen([sys.executable, "-m", "gpt4all_training.studio.supervise", str(tmp_path), "python",
+                                   "--", sys.executable, "-c", CHILD], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while "ready" not in ((tmp_path / LOG_FILE).read_text() if (tmp_path / LOG_FILE).exists() else ""):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    supervisor.send_signal(signal.SIGTERM)
+    supervisor.send_signal(signal.SIGTERM)  # the studio never sends two; a user's shell might
+    assert supervisor.wait(timeout=60) == 143
+    assert (tmp_path / LOG_FILE).read_text().splitlines() == ["ready", "signals 1"]
+    ended = json.loads((tmp_path / EXIT_FILE).read_text())
+    assert (ended["exit_code"], ended["stop_signal"]) == (143, "SIGTERM")
+
+
+def test_a_run_is_started_as_the_cli_under_python_or_accelerate_launch():
+    shown, argv = commands(Launch("configs/a.yaml"), resume=False)
+    assert shown == ["gpt4all-training", "train", "--config", "configs/a.yaml"]
+    assert argv == [sys.executable, "-m", "gpt4all_training.cli", "train", "--config", "configs/a.yaml"]
+    shown, argv = commands(Launch("configs/a.yaml", "accelerate", "fsdp2_2proc.yaml", 2), resume=True)
+    options = ["--config_file", str(ACCELERATE_DIR / "fsdp2_2proc.yaml"), "--num_processes", "2"]
+    assert shown == ["accelerate", "launch", *options, "-m", "gpt4all_training.cli", "train", "--config",
+                     "configs/a.yaml", "resume=auto"]
+    assert argv == [str(Path(sys.executable).with_name("accelerate")), *shown[1:]]
+
+
+def test_the_studio_command_refuses_a_missing_key_and_a_port_in_use(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("STUDIO_MISSING_KEY", raising=False)
+    assert cli_error(capsys, "studio", "--workdir", str(tmp_path), "--api-key-env", "STUDIO_MISSING_KEY") == (
+        "error: --api-key-env: environment variable STUDIO_MISSING_KEY is not set (or empty); export the key in it "
+        "before starting the server")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_error(capsys, "studio", "--workdir", str(tmp_path), "--port", str(port)) == (
+            f"error: --port {port}: cannot listen on 127.0.0.1:{port} (in use); choose another port")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_under_accelerate_launch_the_supervisor_signals_the_worker_once(tmp_path):
+    """The real launcher between the supervisor and the training process: the worker gets the one SIGTERM (the
+    launcher would send a second, and kill it 5 s later), and the run reads as stopped although the launcher then
+    exits 1."""
+    (tmp_path / "worker.py").write_text(CHILD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    supervisor = subprocess.Popen([sys.executable, "-m", "gpt4all_training.studio.supervise", str(tmp_path),
+                                   "accelerate", "--", accelerate, "launch", "--num_processes", "1", "-m", "worker"],
+                                  cwd=REPO, env=env)
+    deadline = time.monotonic() + 120
+    while "ready" not in ((tmp_path / LOG_FILE).read_text() if (tmp_path / LOG_FILE).exists() else ""):
+        assert time.monotonic() < deadline and supervisor.poll() is None
+        time.sleep(0.1)
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=60) == 1  # accelerate launch reports its child's 143 as a failure
+    assert "signals 1" in (tmp_path / LOG_FILE).read_text().splitlines()
+    ended = json.loads((tmp_path / EXIT_FILE).read_text())
+    assert (ended["exit_code"], ended["stop_signal"]) == (1, "SIGTERM")
+    assert run_info(Workdir(tmp_path), tmp_path)["state"] == "stopped"
+
+
+def test_a_chat_with_a_model_that_is_not_there_gets_the_loaders_line(client):
+    response = client.post("/api/chat", json={"model": "runs/none/final", "messages": [{"role": "user",
+                                                                                        "content": "hi"}]})
+    assert response.status_code == 400 and response.json()["error"].startswith("error: ")
+    assert "runs/none/final" in response.json()["error"] and str(Path.cwd()) not in response.json()["error"]
