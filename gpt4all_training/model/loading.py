@@ -142,10 +142,23 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
     return model
 
 
-def check_positions(model, max_length: int) -> None:
+def model_config(name: str, revision: str | None = None, gguf_file: str | None = None,
+                 trust_remote_code: bool = False, key: str = "model_name"):
+    """The model's config without its weights (an adapter's base's): what the checks before the data read."""
+    from transformers import AutoConfig
+
+    if is_adapter_folder(name):
+        name, revision, gguf_file = adapter_base(name), None, None
+    source, extra = model_source(name, gguf_file, key)
+    with loading_errors(f"{key} {name}"):
+        return AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code, **extra)
+
+
+def check_positions(model_or_config, max_length: int) -> None:
     """Refuse a max_length beyond the model's table of positions: the first example that long would fail inside the
-    forward pass (an index out of range), after the data and the model are loaded."""
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    forward pass (an index out of range). Given the model's config, before the data is tokenised."""
+    config = getattr(model_or_config, "config", model_or_config)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     if positions and max_length > positions:
         raise UserError(f"max_length: {max_length} exceeds the model's {positions} positions; set max_length to at "
                         f"most {positions}")

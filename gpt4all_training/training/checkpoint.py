@@ -9,7 +9,7 @@
 - `state.json`: the global optimiser step and the trained-token count, plus the sampler's state for readers, the
   run's id and the SHA-256 of its data (`data_fingerprint`);
 - `data_state.pt`: when the data is streamed, the stream's position (pretrain_data.StreamedRows.state_dict);
-- `config.yaml`: the config that produced it;
+- `config.yaml`: the config that produced it (final/ holds one too);
 - last, the `COMPLETE` marker, which lists every file's SHA-256.
 
 The sampler's state is the step (a stream adds its position, so that a resume reads on instead of tokenising the
@@ -67,6 +67,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
 RUN_ID_FILE = "run_id"  # in output_dir: the id of the run last started there
 FINAL_DIR = "final"
+CONFIG_FILE = "config.yaml"  # the run's config, redacted, in every checkpoint and in final/
 # Saved in state.json; if any differs at resume, global step s would be other examples than it was.
 SAMPLER_KEYS = ("seed", "n_examples", "examples_per_step", "group_by_length")
 
@@ -350,7 +351,7 @@ def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: d
             if data_state is not None:
                 torch_save(data_state, tmp / "data_state.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
-            (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         backend.wait_for_everyone()
         if backend.is_main_process:
             write_marker(tmp)

@@ -20,7 +20,8 @@ from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.cache import cache_root
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.isolation import check_isolation
-from gpt4all_training.model.loading import check_positions, tokenizer_for
+from gpt4all_training.model.from_config import resolve_model_config
+from gpt4all_training.model.loading import check_positions, model_config, tokenizer_for
 from gpt4all_training.model.lora import apply_lora
 from gpt4all_training.model.parameters import count_parameters, param_groups, resident_parameters
 from gpt4all_training.tracking.tracker import Tracker
@@ -50,6 +51,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     start = resume_point(config, backend, cache_root(config), log)  # before the data: cheap, and the first line
 
     tokenizer = tokenizer_for(config)
+    check_positions(architecture(config, tokenizer), config.max_length)  # before the minutes of tokenising
     with backend.main_process_first():
         data = objective.load_data(config, tokenizer, log, backend.world_size)
     log(data.train_stats.describe("train"))
@@ -127,7 +129,6 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
 def build_model(objective, config: TrainConfig, tokenizer, backend):
     """The objective's model, with a LoRA adapter when asked; its parameter counts logged."""
     model = objective.build_model(config, tokenizer)
-    check_positions(model, config.max_length)
     if config.lora:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            config.gradient_checkpointing)
@@ -137,6 +138,13 @@ def build_model(objective, config: TrainConfig, tokenizer, backend):
                   + (f"; ZeRO-3 partitioned them as they were built: this rank holds {resident:,}"
                      if resident < total else ""))
     return model
+
+
+def architecture(config: TrainConfig, tokenizer):
+    """The config of the model to train, without its weights: built from model_config, or model_name's."""
+    if config.init == "from_config":
+        return resolve_model_config(config, tokenizer)
+    return model_config(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code)
 
 
 def prepare(model, config: TrainConfig, backend, total_steps: int):
