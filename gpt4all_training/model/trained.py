@@ -73,8 +73,8 @@ def training_run_config(name: str) -> tuple[Path, dict[str, Any]] | None:
 def open_model(name: str, dtype: torch.dtype, device: torch.device):
     """(model in eval mode on `device`, tokenizer) for `name`; see the module docstring for what it may be."""
     paths = resolve(name)
-    tokenizer = load_tokenizer(paths.tokenizer, paths.tokenizer_revision, paths.tokenizer_gguf_file)
-    model = load_model(paths.weights, dtype=dtype)
+    tokenizer = load_tokenizer(paths.tokenizer, paths.tokenizer_revision, paths.tokenizer_gguf_file, key="--model")
+    model = load_model(paths.weights, dtype=dtype, key="--model")
     return model.to(device).eval(), tokenizer
 
 
