@@ -50,8 +50,8 @@ def corpus(tmp_path_factory) -> Path:
 
 def config_for(corpus: Path, output: Path, *overrides: str):
     """The shipped configs/train/pretrain_tiny.yaml, pointed at the corpus."""
-    return load_config(CONFIG, [f"dataset_path={corpus / 'text.jsonl'}", f"tokenizer_name={corpus / 'tok'}",
-                                f"output_dir={output}", *overrides])
+    return load_config(CONFIG, [f"dataset_path={corpus / 'text.jsonl'}", "text_field=text",
+                                f"tokenizer_name={corpus / 'tok'}", f"output_dir={output}", *overrides])
 
 
 @pytest.fixture(scope="module")
