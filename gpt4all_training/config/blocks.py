@@ -362,7 +362,7 @@ class Checkpoints(Block):
         "Unset: a rerun into an output_dir whose last run left a checkpoint continues that run (a config that "
         "changes what it trains, or a run that already finished, is refused). 'auto': resume from the newest "
         "complete checkpoint of the last run in output_dir, or start fresh when there is none. 'never': start over, "
-        "after moving the previous run's files into output_dir/set-aside-K/ (nothing is deleted).",
+        "after moving what earlier runs wrote in output_dir into output_dir/set-aside-K/ (nothing is deleted).",
         allowed="'auto' or unset; to resume from a folder use checkpoint=PATH, to start over use 'never'")
     resume_allow_changes: list[str] = doc(
         "Keys that may differ from the checkpoint's config when resuming, e.g. [max_steps]. Any other change that "

@@ -26,8 +26,8 @@ without that file, the newest valid checkpoint) and never another run's checkpoi
 With `resume` unset a rerun does the same when `run_id` names a run that left a valid checkpoint, so running the same
 command again after a stop continues the run; it refuses, before any data is read, a config that changes what the run
 trains, and a run that already finished (its final/ is newer than its last checkpoint). `resume=never` starts over in
-a fresh output_dir: everything in it but the tokenized-data cache and earlier set-aside folders is moved into
-`output_dir/set-aside-K/`, never deleted.
+a fresh output_dir: what earlier runs wrote there (checkpoints, final/, run_id, metrics, report, trackers' files; not
+the tokenized-data cache, still valid) is moved into `output_dir/set-aside-K/`, never deleted.
 Rotation deletes only this run's checkpoints, and only those older than the newest `keep_last` that verify; it runs
 after every save, and when a run starts and ends (a kill between a save and its rotation leaves one too many). It
 never deletes another run's checkpoints, a corrupt checkpoint newer than the kept ones, or the checkpoint a resume
@@ -482,6 +482,10 @@ def load_checkpoint(folder: Path, backend, model, optimizer, scheduler,
 # ---------------------------------------------------------------- resuming
 
 SET_ASIDE_DIR = re.compile(r"^set-aside-(\d+)$")  # in output_dir: what resume=never moved out of a run's way
+# What runs write into output_dir, less the tokenized-data cache (keyed by content, so still valid for a new run):
+# checkpoints (and their .tmp and set-aside forms), final/, run_id, the metrics, report, trackers and eval results.
+RUN_OUTPUTS = re.compile(r"^(step_\d+(\..+)?|final(\..+)?|run_id(\.tmp)?|metrics\.jsonl(\.tmp)?|report\.html|"
+                         r"tensorboard|wandb|wandb_run_id|eval)$")
 
 
 @dataclass
@@ -541,15 +545,12 @@ def finished_after(output_dir: Path, folder: Path) -> bool:
     return final_marker.is_file() and final_marker.stat().st_mtime_ns > marker.stat().st_mtime_ns
 
 
-def start_over(output_dir: Path, cache: Path, log: Callable[[str], Any]) -> None:
-    """resume=never: move everything in output_dir but the tokenized-data `cache` (keyed by content, so still
-    valid) and earlier set-aside folders into output_dir/set-aside-K/, the next free K. The run then starts in a
-    fresh folder and nothing of the previous one is deleted. Main process only."""
-    def holds_cache(path: Path) -> bool:
-        return path.resolve() == cache.resolve() or path.resolve() in cache.resolve().parents
-
+def start_over(output_dir: Path, log: Callable[[str], Any]) -> None:
+    """resume=never: move what earlier runs wrote into output_dir (RUN_OUTPUTS) into output_dir/set-aside-K/, the
+    next free K, so the run starts in a fresh folder and nothing of the previous one is deleted. Anything else in
+    output_dir stays where it is. Main process only."""
     taken = [int(m.group(1)) for p in output_dir.iterdir() if (m := SET_ASIDE_DIR.match(p.name))]
-    moving = sorted(p for p in output_dir.iterdir() if not SET_ASIDE_DIR.match(p.name) and not holds_cache(p))
+    moving = sorted(p for p in output_dir.iterdir() if RUN_OUTPUTS.match(p.name))
     if not moving:
         return
     target = output_dir / f"set-aside-{max(taken, default=0) + 1}"
@@ -561,7 +562,7 @@ def start_over(output_dir: Path, cache: Path, log: Callable[[str], Any]) -> None
         f"nothing was deleted; training from step 0")
 
 
-def resume_point(config, backend, cache: Path, log: Callable[[str], Any] = print) -> ResumePoint:
+def resume_point(config, backend, log: Callable[[str], Any] = print) -> ResumePoint:
     """Decide where the run starts before any data is read, and say so first: the checkpoint it continues (see
     find_resume_checkpoint), checked against this config; or step 0, in a fresh output_dir under resume=never.
     Refused in one line: a checkpoint that does not verify, a config that changes what its run trains (the data's
@@ -573,7 +574,7 @@ def resume_point(config, backend, cache: Path, log: Callable[[str], Any] = print
     start.folder = find_resume_checkpoint(config.checkpoint, resume, output_dir, found.append, start.verified)
     if resume == "never":
         if backend.is_main_process:
-            start_over(output_dir, cache, log)
+            start_over(output_dir, log)
         backend.wait_for_everyone()  # no rank reads output_dir while it is being emptied
     folder = start.folder
     if folder is not None:

@@ -17,7 +17,6 @@ import torch
 
 from gpt4all_training.backends.accelerate import build_backend
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.data.cache import cache_root
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.isolation import check_isolation
 from gpt4all_training.model.from_config import resolve_model_config
@@ -48,7 +47,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
         raise UserError("nan_policy: 'skip' is not available under DeepSpeed, whose engine applies the update inside "
                         "backward, before the step's loss is known; use 'stop'")
     objective = objective_for(config)
-    start = resume_point(config, backend, cache_root(config), log)  # before the data: cheap, and the first line
+    start = resume_point(config, backend, log)  # before the data: cheap, and its line is the first
 
     tokenizer = tokenizer_for(config)
     check_positions(architecture(config, tokenizer), config.max_length)  # before the minutes of tokenising

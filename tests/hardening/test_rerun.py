@@ -13,7 +13,7 @@ from resume.harness import run_train as run_with_crash
 from support.launch import explain
 from support.outputs import assert_bitwise_equal_weights, exact_rows, step_dirs
 
-from gpt4all_training.training.checkpoint import MARKER, RUN_ID_FILE, sha256
+from gpt4all_training.training.checkpoint import MARKER, RUN_ID_FILE, sha256, start_over
 
 from .harness import error_lines, one_error_line, run_train
 
@@ -96,3 +96,25 @@ def test_a_finished_run_is_not_retrained_and_resume_never_starts_over_without_lo
     assert exact_rows(out) == exact_rows(reference)
     assert_bitwise_equal_weights(out / "final", reference / "final")
     assert error_lines(finished.stderr) == []
+
+
+def test_starting_over_moves_only_what_runs_wrote(tmp_path):
+    """resume=never into a folder that also holds the user's own files (an output_dir of `.`, say): the runs'
+    checkpoints, final/, record and trackers' files move into the next set-aside-K/; the tokenized-data cache,
+    earlier set-aside folders and anything else stay."""
+    for name in ("step_2", "step_4.set-aside-1", "final", "tensorboard", "tokenized", "set-aside-1", "notes"):
+        (tmp_path / name).mkdir()
+    for name in ("run_id", "metrics.jsonl", "report.html", "wandb_run_id", "train.py"):
+        (tmp_path / name).write_text(name)
+    said = []
+    start_over(tmp_path, said.append)
+    assert sorted(p.name for p in (tmp_path / "set-aside-2").iterdir()) == [
+        "final", "metrics.jsonl", "report.html", "run_id", "step_2", "step_4.set-aside-1", "tensorboard",
+        "wandb_run_id"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "set-aside-1", "set-aside-2", "tokenized",
+                                                           "train.py"]
+    assert said == [f"resume=never: moved the previous run's files (final, metrics.jsonl, report.html, run_id, "
+                    f"step_2, step_4.set-aside-1, tensorboard, wandb_run_id) into {tmp_path / 'set-aside-2'}; "
+                    f"nothing was deleted; training from step 0"]
+    start_over(tmp_path, said.append)  # nothing of a run is left: nothing moves, nothing is said
+    assert len(said) == 1 and not (tmp_path / "set-aside-3").exists()
