@@ -15,7 +15,7 @@ from support.models import SMOLLM2_GGUF, build_tiny_llama, smollm2_folder
 from gpt4all_training.cli.main import main
 from gpt4all_training.errors import UserError
 from gpt4all_training.model import names
-from gpt4all_training.model.loading import load_model, model_source
+from gpt4all_training.model.loading import load_model, load_tokenizer, model_source
 
 
 def test_smollm2_is_the_gguf_its_package_ships():
@@ -118,3 +118,5 @@ def test_an_adapter_records_a_packaged_base_by_its_short_name_and_old_adapters_s
     for folder in (tmp_path / "adapter", old):
         with torch.no_grad():
             assert torch.equal(load_model(str(folder)).eval()(ids).logits, expected), folder
+        # The adapter folder holds no tokenizer (a step_N/model/ does not): it is the base's, read from its GGUF.
+        assert load_tokenizer(str(folder))("Tope or Rope")["input_ids"] == chat_tokenizer("Tope or Rope")["input_ids"]

@@ -89,7 +89,7 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
 
     source, extra = model_source(name, gguf_file, key)
     if is_adapter_folder(source) and not (Path(source) / "tokenizer_config.json").is_file():
-        source = adapter_base(source)
+        source, extra = model_source(adapter_base(source), None, key)  # a GGUF base: its folder and file
     folder = Path(source).expanduser()
     if not extra and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         # transformers would build an empty tokenizer (one token, every text encoded as nothing) from such a folder.
