@@ -356,3 +356,31 @@ def test_missing_input_is_a_one_line_error(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: --input {tmp_path / 'nothing'}: no inference output")
+
+
+def test_two_maps_in_one_folder_keep_their_own_cluster_tables_and_show_progress(tmp_path, capsys, monkeypatch):
+    """`build_map --output a.html` then `--output b.html` from the current folder: each cluster table lands beside
+    its own page, named after it, and neither overwrites the other; each stage says what it does on stderr."""
+    from gpt4all_training.cli.main import main
+
+    rng = np.random.default_rng(0)
+    inputs = [write_inference_run(tmp_path / name, rng.standard_normal((60, 8)).astype(np.float32),
+                                  rng.gamma(2.0, 1.0, 60), [f"{name} prompt {i}" for i in range(60)])
+              for name in ("a", "b")]
+    monkeypatch.chdir(tmp_path)
+    for folder in inputs:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["build_map", "--input", str(folder), "--output", f"{folder.name}.html", "--layout", "pca",
+                  "--clusters", "3"])
+        assert exit_info.value.code == 0
+        captured = capsys.readouterr()
+        assert [re.sub(r" \([\d.]+ s\)$", "", line) for line in captured.err.splitlines()] == [
+            f"build_map: read 60 points from {folder / 'inference.parquet'}",
+            "build_map: features of 60 embeddings (PCA)",
+            "build_map: layout of 60 points (pca)",
+            "build_map: 3 clusters (k-means) and their labels",
+            f"build_map: wrote {folder.name}.html, {folder.name}.png and {folder.name}.clusters.csv"]
+        assert f"wrote {folder.name}.clusters.csv" in captured.out
+    assert not (tmp_path / "clusters.csv").exists()
+    tables = [(tmp_path / f"{name}.clusters.csv").read_text() for name in ("a", "b")]
+    assert tables[0] != tables[1] and all(table.count("\n") == 4 for table in tables)

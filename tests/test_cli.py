@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -93,3 +94,53 @@ def test_every_config_subcommand_help_shows_its_keys(capsys, subcommand, cls):
     assert (exit_info.value.code, captured.err) == (0, "")
     assert_help_lists_the_keys(captured.out, cls)
     assert "key=value" in captured.out and "--config" in captured.out
+
+
+def test_a_command_goes_offline_only_when_everything_it_names_is_local(tiny_model_dir):
+    from gpt4all_training.cli.offline import named_sources
+
+    def names(*argv: str):
+        return named_sources(list(argv))
+
+    assert names("serve", "--model", "smollm2") == ["smollm2"]
+    assert names("serve", "--model", str(tiny_model_dir)) == [str(tiny_model_dir)]
+    assert names("serve", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct") is None  # a Hub id
+    assert names("train", "--config", "configs/train/finetune_tiny.yaml", "dataset_path=someone/dataset") is None
+    assert names("export", "--from", str(tiny_model_dir), "--base", "EleutherAI/gpt-j-6B") is None
+    assert names("eval", "--model", "smollm2", "--tasks", "hellaswag") is None  # the harness downloads its data
+    assert names("eval", "--model", "smollm2", "--tasks", "gpt4all_offline", "--include-path", "configs/eval") == [
+        "smollm2"]
+    assert names("train", "--config", "configs/train/pretrain_tiny.yaml") == ["./tokenizers/tiny", "./data/clean",
+                                                                            "gptj"]  # a model type
+    assert names("clean", "raw.jsonl", "--output-dir", "data/clean") == []  # names no model: nothing to decide
+
+
+@pytest.mark.integration
+def test_offline_is_set_before_the_hub_libraries_load_and_said_once(tiny_model_dir):
+    """Run without HF_HUB_OFFLINE, a command that names only local things sets it before huggingface_hub,
+    transformers and datasets are imported (they read it once, then), and says so in one line; a variable the user
+    set is left alone, and nothing is said."""
+    report = ("import atexit, sys\n"
+              "def report():\n"
+              "    import datasets, huggingface_hub.constants as hub, transformers.utils.hub as th\n"
+              "    print('offline:', hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, th.is_offline_mode(),"
+              " file=sys.stderr)\n"
+              "atexit.register(report)\n"
+              "from gpt4all_training.cli.main import main\n"
+              "main(sys.argv[1:])\n")
+    argv = ["generate", "--config", "configs/generate/tiny.yaml", f"model_name={tiny_model_dir}", "max_new_tokens=2",
+            "--prompt", "Hi"]
+    environment = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                                                                    "TRANSFORMERS_OFFLINE")}
+    for preset, said in ((None, True), ("0", False)):
+        env = {**environment, **({"HF_HUB_OFFLINE": preset} if preset else {})}
+        result = subprocess.run([PYTHON, "-c", report, *argv], cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        lines = [line for line in result.stderr.splitlines() if line.startswith("offline:")]
+        if said:
+            assert lines == [f"offline: everything this command names is on this machine ({tiny_model_dir}), so the "
+                             f"Hugging Face Hub is not asked (HF_HUB_OFFLINE=1); set HF_HUB_OFFLINE=0 to allow it",
+                             "offline: True True True"]
+        else:
+            assert lines == ["offline: False False False"]

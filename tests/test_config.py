@@ -138,11 +138,11 @@ def test_gptj_lora_config_has_gpt4all_j_published_hyperparameters():
     assert (config.dtype, config.gradient_checkpointing) == ("bfloat16", False)
 
 
-def test_tiny_config_needs_a_model_and_data_from_the_command_line():
-    with pytest.raises(UserError, match=r"^model_name: missing"):
-        load_config(TRAIN_CONFIGS / "finetune_tiny.yaml")
+def test_tiny_config_names_the_packaged_model_and_clean_py_s_folder_and_takes_others():
+    config = load_config(TRAIN_CONFIGS / "finetune_tiny.yaml")  # as written: nothing is missing (issue 27)
+    assert (config.model_name, config.dataset_path) == ("smollm2", "./data/clean")
     config = load_config(TRAIN_CONFIGS / "finetune_tiny.yaml", ["model_name=tiny-model", "dataset_path=data/clean"])
-    assert (config.max_length, config.max_steps, config.dtype) == (128, 8, "float32")
+    assert (config.model_name, config.max_length, config.max_steps, config.dtype) == ("tiny-model", 128, 8, "float32")
 
 
 # ---------------------------------------------------------------- one-line errors, exit code 2

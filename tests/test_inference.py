@@ -202,3 +202,40 @@ def test_bad_pooling_is_a_one_line_user_error():
                     check=validate)
     with pytest.raises(UserError, match="^dataset_path: missing"):
         load_config(None, ["model_name=m"], cls=InferenceConfig, check=validate)
+
+
+@pytest.mark.integration
+def test_a_split_other_than_the_training_runs_is_refused_in_one_line(tiny_model_dir, tokenizer, tmp_path, capsys):
+    """A training run's final/ records its config; inference under another seed or val_fraction would label
+    training examples as validation ones, so it is refused naming both values; under the run's own it labels the
+    split exactly as training drew it."""
+    from gpt4all_training.cli.main import main
+    from gpt4all_training.config.schemas import TrainConfig
+    from gpt4all_training.training.loop import train
+
+    rows = [{"source": "t", "prompt": f"Question {i}: what is {i} plus {i}?", "response": f"It is {2 * i}."}
+            for i in range(12)]
+    data = write_jsonl(tmp_path / "data" / "sums_clean.jsonl", rows).parent
+    run = validate(TrainConfig(model_name=str(tiny_model_dir), dataset_path=str(data), output_dir=str(tmp_path / "run"),
+                               max_length=64, batch_size=4, seed=7, val_fraction=0.25, max_steps=2, eval_every=None,
+                               save_every=None, num_proc=1))
+    train(run)
+    final = tmp_path / "run" / "final"
+    inference = tmp_path / "inference.yaml"
+    inference.write_text(f"model_name: {final}\ndataset_path: {data}\nmax_length: 64\nnum_proc: 1\n"
+                         f"output_dir: {tmp_path / 'scores'}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inference", "--config", str(inference), "seed=42", "val_fraction=0.1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: model_name {final}: its training run split the data with seed=7, val_fraction=0.25 (see "
+        f"{final / 'config.yaml'}), but this config has seed=42, val_fraction=0.1, so the split column would not be "
+        f"the training split; set seed=7 val_fraction=0.25")
+    assert not (tmp_path / "scores").exists()
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inference", "--config", str(inference), "seed=7", "val_fraction=0.25"])
+    assert exit_info.value.code == 0
+    scored, _ = read_run(tmp_path / "scores" / "inference.parquet")
+    (_, val), _ = load_data(run, tokenizer)
+    assert [i for s, i in zip(scored["split"], scored["index"]) if s == "val"] == sorted(val["index"]) != []

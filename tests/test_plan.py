@@ -172,7 +172,8 @@ def test_a_streaming_raw_text_config_plans_the_pass_the_in_memory_loader_finds(t
     plans = {}
     for streaming in ("false", "true"):
         config = load_config("configs/train/pretrain_tiny.yaml",
-                             [f"dataset_path={tmp_path / 'text.jsonl'}", f"tokenizer_name={tmp_path / 'tok'}",
+                             [f"dataset_path={tmp_path / 'text.jsonl'}", "text_field=text",
+                              f"tokenizer_name={tmp_path / 'tok'}",
                               f"output_dir={tmp_path / 'out'}", f"streaming={streaming}", "max_steps=5",
                               "batch_size=2", "max_length=16"])
         plans[streaming] = make_plan(config)

@@ -50,8 +50,8 @@ def corpus(tmp_path_factory) -> Path:
 
 def config_for(corpus: Path, output: Path, *overrides: str):
     """The shipped configs/train/pretrain_tiny.yaml, pointed at the corpus."""
-    return load_config(CONFIG, [f"dataset_path={corpus / 'text.jsonl'}", f"tokenizer_name={corpus / 'tok'}",
-                                f"output_dir={output}", *overrides])
+    return load_config(CONFIG, [f"dataset_path={corpus / 'text.jsonl'}", "text_field=text",
+                                f"tokenizer_name={corpus / 'tok'}", f"output_dir={output}", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -287,8 +287,9 @@ def test_check_passes_on_the_pretraining_config(corpus, tmp_path):
     from gpt4all_training.preflight.check import run_checks
 
     lines = []
-    outcomes = run_checks(str(CONFIG), [f"dataset_path={corpus / 'text.jsonl'}", f"tokenizer_name={corpus / 'tok'}",
-                                        f"output_dir={tmp_path / 'out'}"], report=lines.append)
+    outcomes = run_checks(str(CONFIG), [f"dataset_path={corpus / 'text.jsonl'}", "text_field=text",
+                                        f"tokenizer_name={corpus / 'tok'}", f"output_dir={tmp_path / 'out'}"],
+                          report=lines.append)
     assert all(o.ok for o in outcomes), lines
     assert [o.name for o in outcomes] == ["config", "dataset", "model_config", "tokenizer", "memory", "output_dir",
                                           "dry run"]
@@ -305,8 +306,8 @@ def test_two_ranks_train_the_same_steps_as_one(corpus, tmp_path):
     losses agree up to the order gradients are summed in (measured: 4.9e-7 at most)."""
     from gpt4all_training.training.loop import train
 
-    settings = [f"dataset_path={corpus / 'text.jsonl'}", f"tokenizer_name={corpus / 'tok'}", "streaming=true",
-                "max_steps=6", "save_every=null", "eval_every=null", "val_fraction=0"]
+    settings = [f"dataset_path={corpus / 'text.jsonl'}", "text_field=text", f"tokenizer_name={corpus / 'tok'}",
+                "streaming=true", "max_steps=6", "save_every=null", "eval_every=null", "val_fraction=0"]
     train(load_config(CONFIG, [*settings, "batch_size=8", f"output_dir={tmp_path / 'one'}"]))
     result = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "train.py", "--config", str(CONFIG),
                              *settings, "batch_size=4", f"output_dir={tmp_path / 'two'}"], cwd=REPO,

@@ -155,7 +155,8 @@ def test_saved_final_gives_the_in_memory_logits(tiny_model_dir, tokenizer, eight
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.01)  # anything but the fixture's weights
-    save_final(backend, model, tokenizer, tmp_path / "full", merge_lora=False)
+    save_final(backend, model, tokenizer, tmp_path / "full", merge_lora=False, config_yaml="seed: 3\n")
+    assert (tmp_path / "full" / "config.yaml").read_text() == "seed: 3\n"  # the run's config, for inference
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
     with torch.no_grad():
         assert torch.equal(model.eval()(**inputs).logits, reloaded.eval()(**inputs).logits)
@@ -166,7 +167,7 @@ def test_saved_final_gives_the_in_memory_logits(tiny_model_dir, tokenizer, eight
             if "lora_B" in name:
                 param.normal_(std=0.05)  # B starts at zero; make the adapter matter
         expected = peft_model.eval()(**inputs).logits
-    save_final(backend, peft_model, tokenizer, tmp_path / "adapter", merge_lora=True)
+    save_final(backend, peft_model, tokenizer, tmp_path / "adapter", merge_lora=True, config_yaml="seed: 3\n")
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter" / "merged")
     with torch.no_grad():
@@ -365,3 +366,25 @@ def test_log_grads_every_logs_gradient_norms_per_parameter_group(tiny_model_dir,
     events.Reload()
     assert {"grad_norms/decay", "grad_norms/no_decay"} <= set(events.Tags()["histograms"])
     assert [e.step for e in events.Histograms("grad_norms/decay")] == [2, 4]
+
+
+def test_max_length_past_the_models_positions_is_refused_before_the_data_is_tokenised(tiny_model_dir, eight_examples,
+                                                                                       tmp_path, capsys):
+    """The tiny GPT-J has 512 positions: train and inference refuse max_length 600 before tokenising (nothing is
+    cached, no split is reported), not after the whole dataset was tokenised."""
+    from gpt4all_training.cli.main import main
+
+    expected = "error: max_length: 600 exceeds the model's 512 positions; set max_length to at most 512"
+    inference = tmp_path / "inference.yaml"
+    inference.write_text(f"model_name: {tiny_model_dir}\ndataset_path: {eight_examples}\nmax_length: 600\n"
+                         f"output_dir: {tmp_path / 'scores'}\nnum_proc: 1\n")
+    for argv in (["train", "--config", "configs/train/finetune_tiny.yaml", f"model_name={tiny_model_dir}",
+                  f"dataset_path={eight_examples}", f"output_dir={tmp_path / 'run'}", "max_length=600"],
+                 ["inference", "--config", str(inference)]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.err.strip().splitlines()[-1] == expected
+        assert "examples" not in captured.out  # neither split was built
+    assert not (tmp_path / "run" / "tokenized").exists()

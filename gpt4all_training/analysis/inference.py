@@ -2,7 +2,9 @@
 
 `torchrun --nproc_per_node N inference.py --config configs/inference/X.yaml` (or plain `python inference.py ...`).
 The train/validation split is rebuilt exactly as training built it (same dataset revision, seed, val_fraction,
-max_length and prompt template), so `split` in the output means what it meant during training.
+max_length and prompt template), so `split` in the output means what it meant during training. A model written by
+a training run (its final/ or a step_N/) carries that run's config, and a seed or val_fraction other than its own is
+refused.
 
 Per example:
 - `loss`: the mean next-token NLL over the trained (response) positions only. gpt4all divided by every position,
@@ -48,7 +50,8 @@ from gpt4all_training.data.prompts import resolve_template
 from gpt4all_training.data.records import load_records
 from gpt4all_training.data.sft import effective_num_proc, finish_split, split_records, tokenize_dataset
 from gpt4all_training.errors import UserError
-from gpt4all_training.model.loading import check_positions, load_model, tokenizer_for
+from gpt4all_training.model.loading import check_positions, load_model, model_config, tokenizer_for
+from gpt4all_training.model.trained import training_run_config
 from gpt4all_training.training.loop import require_writable
 from gpt4all_training.training.loss import nll_sum
 
@@ -59,6 +62,8 @@ SUMMARY_FILE = "inference.json"
 TOKEN_COLUMNS = ("input_ids", "labels", "n_trained", "length", "truncated_prompt", "truncated_response",
                  "drop_reason")
 RESULT_COLUMNS = ("split", "loss", "n_tokens", "embedding")
+# What decides which examples training held out: inference must rebuild the split with the training run's values.
+SPLIT_KEYS = ("seed", "val_fraction")
 
 
 # ---------------------------------------------------------------- per-example maths (pure)
@@ -249,6 +254,21 @@ def split_summary(table) -> dict[str, dict[str, float]]:
 
 # ---------------------------------------------------------------- the run
 
+def check_training_split(config: InferenceConfig) -> None:
+    """Refuse, in one line, split settings other than those of the training run that wrote the model (its
+    config.yaml in final/ or step_N/): the `split` column would then call training examples validation ones."""
+    found = training_run_config(config.model_name)
+    if found is None:
+        return
+    file, run = found
+    differ = [key for key in SPLIT_KEYS if key in run and run[key] != getattr(config, key)]
+    if differ:
+        raise UserError(f"model_name {config.model_name}: its training run split the data with "
+                        f"{', '.join(f'{k}={run[k]}' for k in differ)} (see {file}), but this config has "
+                        f"{', '.join(f'{k}={getattr(config, k)}' for k in differ)}, so the split column would not be "
+                        f"the training split; set {' '.join(f'{k}={run[k]}' for k in differ)}")
+
+
 def progress_bar(total: int, backend):
     from tqdm.auto import tqdm
 
@@ -261,9 +281,12 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
     backend = build_backend()  # torchrun's processes: nccl on the local GPU, gloo on CPU; none for one process
     try:
         torch.manual_seed(config.seed)
+        check_training_split(config)
         output_dir = Path(config.output_dir)
         require_writable(output_dir)
         tokenizer = tokenizer_for(config)
+        check_positions(model_config(config.model_name, config.model_revision, config.gguf_file,
+                                     config.trust_remote_code), config.max_length)  # before tokenising
         # The main process fills the datasets cache alone; the others then read it instead of racing to write it.
         with backend.main_process_first():
             if backend.is_main_process:
@@ -272,7 +295,6 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
             examples = load_examples(config, tokenizer)
         model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                            dtype=getattr(torch, config.dtype))
-        check_positions(model, config.max_length)
         model.to(backend.device).eval()
 
         order = length_sorted_order(examples.lengths, examples.split_codes, examples.indices)

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "input give the same map")
     parser.add_argument("--text-chars", type=int, default=240, help="prompt/response characters kept for hover")
     parser.add_argument("--png", help="static image path (default: the output with .png)")
-    parser.add_argument("--clusters-csv", help="cluster table path (default: clusters.csv next to the output)")
+    parser.add_argument("--clusters-csv", help="cluster table path (default: beside the output, named after it: "
+                                               "map.clusters.csv for map.html)")
 
 
 def require_writable_file(flag: str, path: Path) -> None:

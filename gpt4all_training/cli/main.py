@@ -1,7 +1,7 @@
 """The `gpt4all-training` command: one subcommand per stage. Argument parsing only; the work is in the modules.
 
 A `UserError` anywhere below becomes one line on stderr and exit code 2, a `TrainingError` one line and exit
-code 1; neither prints a traceback.
+code 1; neither prints a traceback. A command whose models and data are all local runs offline (cli/offline.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 
+from gpt4all_training.cli.offline import announce, go_offline_if_local
 from gpt4all_training.config.secrets import scrub
 from gpt4all_training.errors import TrainingError, UserError
 
@@ -55,6 +56,7 @@ def report_error(exc: Exception) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    announce(go_offline_if_local(argv))  # before the subcommand's module imports transformers and datasets
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         code = importlib.import_module(args.module).run(args)

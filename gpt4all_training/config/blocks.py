@@ -358,10 +358,12 @@ class Checkpoints(Block):
                                    "tokenizer, the data settings and the code; a shared folder lets other runs "
                                    "reuse it. Unset: output_dir/tokenized.")
     checkpoint: Optional[str] = doc("A step_N folder to resume from.")
-    resume: Optional[Literal["auto"]] = doc(
-        "'auto': resume from the newest complete checkpoint in output_dir, or start fresh when there is none. "
-        "Unset: start fresh (checkpoint=PATH still resumes).",
-        allowed="'auto' or unset; to resume from a folder use checkpoint=PATH")
+    resume: Optional[Literal["auto", "never"]] = doc(
+        "Unset: a rerun into an output_dir whose last run left a checkpoint continues that run (a config that "
+        "changes what it trains, or a run that already finished, is refused). 'auto': resume from the newest "
+        "complete checkpoint of the last run in output_dir, or start fresh when there is none. 'never': start over, "
+        "after moving what earlier runs wrote in output_dir into output_dir/set-aside-K/ (nothing is deleted).",
+        allowed="'auto' or unset; to resume from a folder use checkpoint=PATH, to start over use 'never'")
     resume_allow_changes: list[str] = doc(
         "Keys that may differ from the checkpoint's config when resuming, e.g. [max_steps]. Any other change that "
         "alters the trained result (lr, data, max_length, dtype, ...) is refused; logging, evaluation and "

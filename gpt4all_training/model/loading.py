@@ -14,6 +14,8 @@ from safetensors import SafetensorError
 from gpt4all_training.config.blocks import ModelSource
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.chat_templates import apply_chat_template_option
+from gpt4all_training.model.names import (closest_sibling, missing_path_error, packaged_model, portable_name,
+                                          resolved_name)
 
 # Files a tokenizer is read from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -21,18 +23,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def model_source(name: str, gguf_file: str | None = None, key: str = "model_name") -> tuple[str, dict[str, Any]]:
-    """Split `model_name` into what from_pretrained takes: a `.gguf` path becomes its folder plus `gguf_file`.
-    `key` is the config key that named it, for the error lines."""
+    """Split `model_name` into what from_pretrained takes: a packaged model's short name (model/names.py) or a
+    `.gguf` path becomes its folder plus `gguf_file`. A path-like name that does not exist is refused here, before
+    anything asks the Hub. `key` is the config key that named it, for the error lines."""
+    packaged = packaged_model(name, key)
+    if packaged is not None:
+        return str(packaged.parent), {"gguf_file": packaged.name}
     if name.endswith(".gguf"):
         path = Path(name)
         if not path.is_file():
-            raise UserError(f"{key}: GGUF file {name} not found")
+            meant = closest_sibling(path)
+            raise UserError(f"{key}: GGUF file {name} not found" + (f"; did you mean {meant}?" if meant else ""))
         return str(path.parent), {"gguf_file": path.name}
     if gguf_file:
         return name, {"gguf_file": gguf_file}
-    looks_local = name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") > 1
-    if looks_local and not Path(name).expanduser().exists():
-        raise UserError(f"{key}: {name} does not exist; give a local folder or a Hub id like org/name")
+    if (missing := missing_path_error(name, key)) is not None:
+        raise missing
     path = Path(name).expanduser()
     if (path / "model").is_dir() and (path / "state.json").is_file():
         instead = (f"give its model folder, {path / 'model'} (a checkpoint holds no tokenizer: set tokenizer_name to "
@@ -83,7 +89,7 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
 
     source, extra = model_source(name, gguf_file, key)
     if is_adapter_folder(source) and not (Path(source) / "tokenizer_config.json").is_file():
-        source = adapter_base(source)
+        source, extra = model_source(adapter_base(source), None, key)  # a GGUF base: its folder and file
     folder = Path(source).expanduser()
     if not extra and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         # transformers would build an empty tokenizer (one token, every text encoded as nothing) from such a folder.
@@ -106,26 +112,30 @@ def tokenizer_for(config: ModelSource):
 
 
 def adapter_base(adapter_dir: str) -> str:
+    """The base model an adapter names, as loading code can open it: a packaged model recorded by its short name
+    (or, by adapters saved before short names, by a path inside some installation's venv) is this installation's."""
     config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    return config["base_model_name_or_path"]
+    base = config["base_model_name_or_path"]
+    return resolved_name(base) if base else base
 
 
 def load_model(name: str, revision: str | None = None, gguf_file: str | None = None,
                trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
-               gradient_checkpointing: bool = False):
-    """An AutoModelForCausalLM in `dtype`. An adapter folder loads as base plus adapter (a PeftModel)."""
+               gradient_checkpointing: bool = False, key: str = "model_name"):
+    """An AutoModelForCausalLM in `dtype`. An adapter folder loads as base plus adapter (a PeftModel). `key` is the
+    option that named it, for the error lines."""
     from transformers import AutoModelForCausalLM
 
     if is_adapter_folder(name):
         from peft import PeftModel
 
-        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, gradient_checkpointing)
-        with loading_errors(f"model_name {name}"):
+        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, gradient_checkpointing, key)
+        with loading_errors(f"{key} {name}"):
             return PeftModel.from_pretrained(base, name)
-    source, extra = model_source(name, gguf_file)
+    source, extra = model_source(name, gguf_file, key)
     # transformers 5 always builds the model empty and loads weights into it (what low_cpu_mem_usage was), and
     # under ZeRO-3 partitions each parameter as it is built, so no rank ever holds a whole fp32 copy.
-    with loading_errors(f"model_name {name}"):
+    with loading_errors(f"{key} {name}"):
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
                                                      trust_remote_code=trust_remote_code, **extra)
     if extra.get("gguf_file"):
@@ -134,18 +144,32 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
             del model.config.quantization_config
         model.hf_quantizer = None
         model.is_quantized = False
-        # Recorded as the base of any adapter trained on it, so the adapter folder alone finds its base again.
-        model.name_or_path = str(Path(source) / extra["gguf_file"])
+        # Recorded as the base of any adapter trained on it, so the adapter folder alone finds its base again: a
+        # packaged model by its short name, which every installation resolves (not a path inside this venv).
+        model.name_or_path = portable_name(Path(source) / extra["gguf_file"])
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
 
 
-def check_positions(model, max_length: int) -> None:
+def model_config(name: str, revision: str | None = None, gguf_file: str | None = None,
+                 trust_remote_code: bool = False, key: str = "model_name"):
+    """The model's config without its weights (an adapter's base's): what the checks before the data read."""
+    from transformers import AutoConfig
+
+    if is_adapter_folder(name):
+        name, revision, gguf_file = adapter_base(name), None, None
+    source, extra = model_source(name, gguf_file, key)
+    with loading_errors(f"{key} {name}"):
+        return AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code, **extra)
+
+
+def check_positions(model_or_config, max_length: int) -> None:
     """Refuse a max_length beyond the model's table of positions: the first example that long would fail inside the
-    forward pass (an index out of range), after the data and the model are loaded."""
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    forward pass (an index out of range). Given the model's config, before the data is tokenised."""
+    config = getattr(model_or_config, "config", model_or_config)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     if positions and max_length > positions:
         raise UserError(f"max_length: {max_length} exceeds the model's {positions} positions; set max_length to at "
                         f"most {positions}")

@@ -17,11 +17,13 @@ import yaml
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
+from gpt4all_training.model.names import resolved_name
 
 # The precisions `eval` and `serve` load weights in (a training config's dtype, for the end-of-training evaluation).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_DIR = re.compile(r"step_\d+")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+RUN_CONFIG_FILE = "config.yaml"  # what training writes into each step_N/ and final/ (training/checkpoint.py)
 HASH_CHUNK = 1 << 20
 
 
@@ -48,8 +50,7 @@ def resolve(name: str) -> ModelPaths:
     if is_adapter_folder(str(weights)) or any((weights / f).is_file() for f in TOKENIZER_FILES):
         return ModelPaths(str(weights), str(weights))
     # A full-model checkpoint holds no tokenizer: it is the one the run trained with.
-    config_file = path / "config.yaml"
-    run = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else None
+    _, run = training_run_config(name) or (None, None)
     source = (run or {}).get("tokenizer_name") or (run or {}).get("model_name")
     if not source:
         raise UserError(f"--model {name}: a checkpoint without a tokenizer, and no config.yaml naming the run's "
@@ -57,11 +58,24 @@ def resolve(name: str) -> ModelPaths:
     return ModelPaths(str(weights), source, run.get("gguf_file"), run.get("model_revision"))
 
 
+def training_run_config(name: str) -> tuple[Path, dict[str, Any]] | None:
+    """(its file, the config) of the training run that wrote the model at `name`: the config.yaml in a checkpoint
+    `step_N/` or in `final/`, also found from their `model/` and `merged/` folders; None for any other model."""
+    path = Path(name)
+    folders = [path, path.parent] if path.name in ("model", "merged") else [path]
+    for folder in folders:
+        file = folder / RUN_CONFIG_FILE
+        if file.is_file() and (is_checkpoint(folder) or folder.name == "final"):
+            run = yaml.safe_load(file.read_text(encoding="utf-8"))
+            return (file, run) if isinstance(run, dict) else None
+    return None
+
+
 def open_model(name: str, dtype: torch.dtype, device: torch.device):
     """(model in eval mode on `device`, tokenizer) for `name`; see the module docstring for what it may be."""
     paths = resolve(name)
-    tokenizer = load_tokenizer(paths.tokenizer, paths.tokenizer_revision, paths.tokenizer_gguf_file)
-    model = load_model(paths.weights, dtype=dtype)
+    tokenizer = load_tokenizer(paths.tokenizer, paths.tokenizer_revision, paths.tokenizer_gguf_file, key="--model")
+    model = load_model(paths.weights, dtype=dtype, key="--model")
     return model.to(device).eval(), tokenizer
 
 
@@ -81,9 +95,9 @@ def content_sha256(path: Path) -> str:
 
 
 def source_identity(name: str) -> dict[str, Any]:
-    """The path as given and the hash of its content; a Hub id has no local content to hash (its revision is
-    recorded by whoever loads it)."""
-    path = Path(name)
+    """The path as given and the hash of its content (a packaged model's file, for its short name); a Hub id has no
+    local content to hash (its revision is recorded by whoever loads it)."""
+    path = Path(resolved_name(name))
     return {"path": name, "sha256": content_sha256(path) if path.exists() else None}
 
 

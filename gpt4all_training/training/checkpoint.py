@@ -9,7 +9,7 @@
 - `state.json`: the global optimiser step and the trained-token count, plus the sampler's state for readers, the
   run's id and the SHA-256 of its data (`data_fingerprint`);
 - `data_state.pt`: when the data is streamed, the stream's position (pretrain_data.StreamedRows.state_dict);
-- `config.yaml`: the config that produced it;
+- `config.yaml`: the config that produced it (final/ holds one too);
 - last, the `COMPLETE` marker, which lists every file's SHA-256.
 
 The sampler's state is the step (a stream adds its position, so that a resume reads on instead of tokenising the
@@ -23,6 +23,11 @@ whose safetensors cannot be read), and any `.tmp` folder, is never loaded.
 A run has an id, kept in each of its checkpoints and in `output_dir/run_id` (the run last started there). A fresh
 run gets a new one; a resumed run keeps its checkpoint's. `resume=auto` continues the run named in `run_id` (or,
 without that file, the newest valid checkpoint) and never another run's checkpoints, which it reports and skips.
+With `resume` unset a rerun does the same when `run_id` names a run that left a valid checkpoint, so running the same
+command again after a stop continues the run; it refuses, before any data is read, a config that changes what the run
+trains, and a run that already finished (its final/ is newer than its last checkpoint). `resume=never` starts over in
+a fresh output_dir: what earlier runs wrote there (checkpoints, final/, run_id, metrics, report, trackers' files; not
+the tokenized-data cache, still valid) is moved into `output_dir/set-aside-K/`, never deleted.
 Rotation deletes only this run's checkpoints, and only those older than the newest `keep_last` that verify; it runs
 after every save, and when a run starts and ends (a kill between a save and its rotation leaves one too many). It
 never deletes another run's checkpoints, a corrupt checkpoint newer than the kept ones, or the checkpoint a resume
@@ -53,7 +58,8 @@ from safetensors import SafetensorError, safe_open
 from gpt4all_training.backends.deepspeed import deepspeed_pickled_types
 from gpt4all_training.config.secrets import redact
 from gpt4all_training.errors import TrainingError, UserError, write_failure
-from gpt4all_training.training.resume_config import check_config_changes, hyperparameters, restore_hyperparameters
+from gpt4all_training.training.resume_config import (NEW_OUTPUT_DIR, check_config_changes, config_changes,
+                                                     hyperparameters, refuse_changes, restore_hyperparameters)
 from gpt4all_training.training.state import TrainState
 
 MARKER = "COMPLETE"
@@ -61,6 +67,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
 RUN_ID_FILE = "run_id"  # in output_dir: the id of the run last started there
 FINAL_DIR = "final"
+CONFIG_FILE = "config.yaml"  # the run's config, redacted, in every checkpoint and in final/
 # Saved in state.json; if any differs at resume, global step s would be other examples than it was.
 SAMPLER_KEYS = ("seed", "n_examples", "examples_per_step", "group_by_length")
 
@@ -344,7 +351,7 @@ def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: d
             if data_state is not None:
                 torch_save(data_state, tmp / "data_state.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
-            (tmp / "config.yaml").write_text(config_yaml, encoding="utf-8")
+            (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         backend.wait_for_everyone()
         if backend.is_main_process:
             write_marker(tmp)
@@ -474,11 +481,39 @@ def load_checkpoint(folder: Path, backend, model, optimizer, scheduler,
 
 # ---------------------------------------------------------------- resuming
 
+SET_ASIDE_DIR = re.compile(r"^set-aside-(\d+)$")  # in output_dir: what resume=never moved out of a run's way
+# What runs write into output_dir, less the tokenized-data cache (keyed by content, so still valid for a new run):
+# checkpoints (and their .tmp and set-aside forms), final/, run_id, the metrics, report, trackers and eval results.
+RUN_OUTPUTS = re.compile(r"^(step_\d+(\..+)?|final(\..+)?|run_id(\.tmp)?|metrics\.jsonl(\.tmp)?|report\.html|"
+                         r"tensorboard|wandb|wandb_run_id|eval)$")
+
+
+@dataclass
+class ResumePoint:
+    """Where a run starts, decided before any data is read: the checkpoint it continues (None: step 0), whether a
+    plain rerun chose it (`resume` unset), and what verify() said about the folders looked at."""
+    folder: Path | None
+    rerun: bool = False
+    verified: dict[Path, str | None] = field(default_factory=dict)
+
+    @property
+    def alternative(self) -> str:
+        """What else a refused resume can do, besides keeping the checkpoint's values."""
+        if self.rerun:
+            return f"pass resume=never to start over, setting that run aside, or {NEW_OUTPUT_DIR}"
+        return NEW_OUTPUT_DIR
+
+
 def find_resume_checkpoint(checkpoint: str | None, resume: str | None, output_dir: str | Path,
                            log: Callable[[str], Any] = print,
                            verified: dict[Path, str | None] | None = None) -> Path | None:
     """`checkpoint=PATH` names the folder; `resume=auto` (or `checkpoint=auto`) takes the newest valid one in
-    output_dir of the run last started there (see the module's docstring) and starts fresh when there is none."""
+    output_dir of the run last started there (see the module's docstring) and starts fresh when there is none;
+    `resume` unset does the same when output_dir/run_id names a run, so a rerun continues it; `resume=never` starts
+    fresh."""
+    if checkpoint and resume == "never":
+        raise UserError(f"checkpoint={checkpoint} and resume=never: one continues a run, the other starts over; "
+                        f"drop one of them")
     if checkpoint and checkpoint != "auto":
         path = Path(checkpoint)
         if not path.is_dir():
@@ -491,31 +526,94 @@ def find_resume_checkpoint(checkpoint: str | None, resume: str | None, output_di
             of_run = f" of its run {run_id}" if run_id else ""
             log(f"resume=auto: no complete checkpoint{of_run} in {output_dir}; starting fresh")
         return found
+    if resume == "never":
+        return None
+    run_id = read_run_id(output_dir)
+    found = latest_checkpoint(output_dir, log, run_id, verified) if run_id else None
     existing = checkpoint_dirs(output_dir)
-    if existing:
+    if found is None and existing:
         log(f"note: {output_dir} already holds checkpoints (newest {existing[-1][1].name}) but this run starts "
-            f"fresh; pass resume=auto to continue it instead. They stay: this run never rotates them away, and sets "
-            f"aside one whose name it needs")
-    return None
+            f"fresh: none is a valid checkpoint of the run last started there ({RUN_ID_FILE}); continue one with "
+            f"checkpoint=PATH. They stay: this run never rotates them away, and sets aside one whose name it needs")
+    return found
 
 
-def resume_training(config, backend, model, optimizer, scheduler, sampler, fingerprint: str | None = None,
-                    log: Callable[[str], Any] = print) -> tuple[TrainState, Lineage]:
-    """The state to start the loop from, restored from a checkpoint when the config asks for one (else step 0), and
-    the run's lineage. A checkpoint whose config trained something else than this one (or its data had another
-    `fingerprint`) is refused, unless resume_allow_changes lists the changed keys. The main process then records the
-    run in output_dir, and sets aside this run's checkpoints past the step it resumes from."""
+def finished_after(output_dir: Path, folder: Path) -> bool:
+    """Whether a complete final/ was written after checkpoint `folder`: by the run named in output_dir/run_id (every
+    run rewrites that file when it starts), so that run reached its last step after this checkpoint."""
+    final_marker, marker = output_dir / FINAL_DIR / MARKER, folder / MARKER
+    return final_marker.is_file() and final_marker.stat().st_mtime_ns > marker.stat().st_mtime_ns
+
+
+def start_over(output_dir: Path, log: Callable[[str], Any]) -> None:
+    """resume=never: move what earlier runs wrote into output_dir (RUN_OUTPUTS) into output_dir/set-aside-K/, the
+    next free K, so the run starts in a fresh folder and nothing of the previous one is deleted. Anything else in
+    output_dir stays where it is. Main process only."""
+    taken = [int(m.group(1)) for p in output_dir.iterdir() if (m := SET_ASIDE_DIR.match(p.name))]
+    moving = sorted(p for p in output_dir.iterdir() if RUN_OUTPUTS.match(p.name))
+    if not moving:
+        return
+    target = output_dir / f"set-aside-{max(taken, default=0) + 1}"
+    target.mkdir()
+    for path in moving:
+        os.replace(path, target / path.name)
+    fsync_dir(output_dir)
+    log(f"resume=never: moved the previous run's files ({', '.join(p.name for p in moving)}) into {target}; "
+        f"nothing was deleted; training from step 0")
+
+
+def resume_point(config, backend, log: Callable[[str], Any] = print) -> ResumePoint:
+    """Decide where the run starts before any data is read, and say so first: the checkpoint it continues (see
+    find_resume_checkpoint), checked against this config; or step 0, in a fresh output_dir under resume=never.
+    Refused in one line: a checkpoint that does not verify, a config that changes what its run trains (the data's
+    content is compared later, once it is read), and a plain rerun of a run that already finished."""
     output_dir = Path(config.output_dir)
-    verified: dict[Path, str | None] = {}
-    folder = find_resume_checkpoint(config.checkpoint, getattr(config, "resume", None), output_dir, log, verified)
-    state, lineage = TrainState(), Lineage(new_run_id(), verified=verified)
+    resume = getattr(config, "resume", None)
+    found: list[str] = []  # what the search reported, said after the line that says what the run does
+    start = ResumePoint(None, rerun=not config.checkpoint and resume is None)
+    start.folder = find_resume_checkpoint(config.checkpoint, resume, output_dir, found.append, start.verified)
+    if resume == "never":
+        if backend.is_main_process:
+            start_over(output_dir, log)
+        backend.wait_for_everyone()  # no rank reads output_dir while it is being emptied
+    folder = start.folder
     if folder is not None:
-        problem = checked(folder, verified)
+        problem = checked(folder, start.verified)
         if problem is not None:
             raise UserError(f"checkpoint {folder}: {problem}; pick another step_N folder")
+        saved_state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        saved = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        changes = config_changes(saved, config, saved_state, None,
+                                 compare_data=not saved_state.get("data_fingerprint"))
+        refuse_changes(folder, changes, config, start.alternative)
+        if start.rerun and not changes and finished_after(output_dir, folder):
+            raise UserError(f"output_dir {output_dir}: its last run finished (final/ is newer than its last "
+                            f"checkpoint, {folder.name}), so there is nothing to continue; pass resume=never to "
+                            f"train again from step 0 (the finished run is set aside, not deleted), resume=auto to "
+                            f"train again from {folder.name}, or choose another output_dir")
+        if start.rerun:
+            log(f"resuming: {output_dir} holds a checkpoint of its last run ({saved_run_id(folder)}), {folder}; "
+                f"continuing it (resume=never starts over, setting that run aside)")
+        else:
+            log(f"resuming from {folder}")
+    for line in found:
+        log(line)
+    return start
+
+
+def resume_training(config, backend, model, optimizer, scheduler, sampler, start: ResumePoint,
+                    fingerprint: str | None = None, log: Callable[[str], Any] = print) -> tuple[TrainState, Lineage]:
+    """The state to start the loop from, restored from `start`'s checkpoint (else step 0), and the run's lineage. A
+    checkpoint whose config trained something else than this one (or its data had another `fingerprint`) is
+    refused, unless resume_allow_changes lists the changed keys. The main process then records the run in
+    output_dir, and sets aside this run's checkpoints past the step it resumes from."""
+    output_dir = Path(config.output_dir)
+    folder, verified = start.folder, start.verified
+    state, lineage = TrainState(), Lineage(new_run_id(), verified=verified)
+    if folder is not None:
         saved = json.loads((folder / "state.json").read_text(encoding="utf-8"))
         changed = check_config_changes(folder, yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")),
-                                       config, saved, fingerprint, sampler.steps_per_epoch, log)
+                                       config, saved, fingerprint, sampler.steps_per_epoch, log, start.alternative)
         fresh = hyperparameters(scheduler)
         saved = load_checkpoint(folder, backend, model, optimizer, scheduler, verified)
         check_resumable(saved, sampler, folder)

@@ -14,11 +14,13 @@ from gpt4all_training.backends.replicas import replica_mismatches
 from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.tracking.hub import push_folder
 from gpt4all_training.tracking.report import write_report
-from gpt4all_training.training.checkpoint import FINAL_DIR, Checkpointer, fsync_dir, fsync_tree, write_marker
+from gpt4all_training.training.checkpoint import (CONFIG_FILE, FINAL_DIR, Checkpointer, fsync_dir, fsync_tree,
+                                                  write_marker)
 
 
-def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool) -> None:
-    """final/: the model (or adapter), tokenizer and generation config in safetensors; optionally final/merged/.
+def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config_yaml: str) -> None:
+    """final/: the model (or adapter), tokenizer and generation config in safetensors, and the run's config (what
+    inference and export read to know how it was trained); optionally final/merged/.
     Written as a checkpoint is: into final.tmp/, with a COMPLETE marker listing every file's SHA-256, fsynced, then
     renamed, so a crash or a full disk never leaves a final/ that looks whole (a failed write removes final.tmp/ and
     raises; an earlier final/ stays until the new one is complete)."""
@@ -30,6 +32,7 @@ def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool) -> Non
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_final(unwrapped, backend, state_dict, tokenizer, tmp, merge_lora)
+        (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         write_marker(tmp)
         fsync_tree(tmp)
         if folder.exists():
@@ -77,7 +80,7 @@ def finish_run(config, backend, model, tokenizer, tracker, step: int, summarize:
             backend.print(f"warning: {mismatched} parameter tensors differ between ranks; final/ holds rank 0's copy")
     final = output_dir / FINAL_DIR
     try:
-        save_final(backend, model, tokenizer, final, config.merge_lora)
+        save_final(backend, model, tokenizer, final, config.merge_lora, checkpointer.config_yaml)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
         reason, advice = write_failure(exc)
         last = checkpointer.last_kept()

@@ -19,11 +19,12 @@ from gpt4all_training.backends.accelerate import build_backend
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.isolation import check_isolation
-from gpt4all_training.model.loading import check_positions, tokenizer_for
+from gpt4all_training.model.from_config import resolve_model_config
+from gpt4all_training.model.loading import check_positions, model_config, tokenizer_for
 from gpt4all_training.model.lora import apply_lora
 from gpt4all_training.model.parameters import count_parameters, param_groups, resident_parameters
 from gpt4all_training.tracking.tracker import Tracker
-from gpt4all_training.training.checkpoint import Checkpointer, resume_training
+from gpt4all_training.training.checkpoint import Checkpointer, resume_point, resume_training
 from gpt4all_training.training.evaluate import Evaluator
 from gpt4all_training.training.final import finish_run
 from gpt4all_training.training.meter import ThroughputMeter, peak_memory
@@ -46,8 +47,10 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
         raise UserError("nan_policy: 'skip' is not available under DeepSpeed, whose engine applies the update inside "
                         "backward, before the step's loss is known; use 'stop'")
     objective = objective_for(config)
+    start = resume_point(config, backend, log)  # before the data: cheap, and its line is the first
 
     tokenizer = tokenizer_for(config)
+    check_positions(architecture(config, tokenizer), config.max_length)  # before the minutes of tokenising
     with backend.main_process_first():
         data = objective.load_data(config, tokenizer, log, backend.world_size)
     log(data.train_stats.describe("train"))
@@ -58,7 +61,8 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     model, optimizer, scheduler = prepare(model, config, backend, total_steps)
     objective.before_training(model, data, backend, tokenizer.pad_token_id, log)
     log(objective.steps_line(sampler, total_steps, config.num_epochs))
-    state, lineage = resume_training(config, backend, model, optimizer, scheduler, sampler, data.fingerprint, log)
+    state, lineage = resume_training(config, backend, model, optimizer, scheduler, sampler, start,
+                                     data.fingerprint, log)
 
     tracker = Tracker(config.output_dir, config.report_to, config.to_dict(), backend.is_main_process,
                       resume_step=state.step, project=config.wandb_project_name, entity=config.wandb_entity)
@@ -103,7 +107,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
                     break
         if state.step < total_steps:  # stopped by a signal: no final/, no push; the checkpoint resumes it
             log(f"stopped by {stop.signal_name} after step {state.step}; its checkpoint is in {config.output_dir}; "
-                f"rerun with resume=auto to continue")
+                f"run the same command again to continue")
             backend.end()
             return {"steps": state.step, "trained_tokens": state.trained_tokens, "exit_code": stop.exit_code}
 
@@ -124,7 +128,6 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
 def build_model(objective, config: TrainConfig, tokenizer, backend):
     """The objective's model, with a LoRA adapter when asked; its parameter counts logged."""
     model = objective.build_model(config, tokenizer)
-    check_positions(model, config.max_length)
     if config.lora:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            config.gradient_checkpointing)
@@ -134,6 +137,13 @@ def build_model(objective, config: TrainConfig, tokenizer, backend):
                   + (f"; ZeRO-3 partitioned them as they were built: this rank holds {resident:,}"
                      if resident < total else ""))
     return model
+
+
+def architecture(config: TrainConfig, tokenizer):
+    """The config of the model to train, without its weights: built from model_config, or model_name's."""
+    if config.init == "from_config":
+        return resolve_model_config(config, tokenizer)
+    return model_config(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code)
 
 
 def prepare(model, config: TrainConfig, backend, total_steps: int):

@@ -32,20 +32,24 @@ FREE_KEYS = frozenset({
 })
 # Where the data comes from: not compared when both runs know the data's content hash (a moved file is the same data).
 DATA_KEYS = ("dataset_path", "revision")
+# What a refused resume can always do instead.
+NEW_OUTPUT_DIR = "start a new output_dir"
 # Keys that shape the learning rate at each step; changing one is described by what it does to the schedule.
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_schedule", "anneal_steps", "end_lr", "num_epochs", "max_steps")
 
 
 def config_changes(saved: dict[str, Any], config, saved_state: dict[str, Any],
-                   fingerprint: str | None) -> dict[str, tuple[Any, Any]]:
+                   fingerprint: str | None, compare_data: bool = True) -> dict[str, tuple[Any, Any]]:
     """{key: (checkpoint's value, this config's value)} for every key whose change alters what is trained; the
-    data's content appears under `dataset_path` as its two hashes."""
+    data's content appears under `dataset_path` as its two hashes. `compare_data=False` leaves the data keys out
+    (before the data is read, when its content will be compared)."""
     current = redact(config.to_dict())  # the checkpoint's config.yaml was written redacted
     saved_fingerprint = saved_state.get("data_fingerprint")
     by_content = bool(fingerprint and saved_fingerprint)
+    skip_data = by_content or not compare_data
     changes = {key: (saved[key], value) for key, value in current.items()
                if key in saved and saved[key] != value and key not in FREE_KEYS
-               and not (by_content and key in DATA_KEYS)}
+               and not (skip_data and key in DATA_KEYS)}
     if by_content and fingerprint != saved_fingerprint:
         changes["dataset_path"] = (f"content sha256 {saved_fingerprint[:12]}", f"{fingerprint[:12]}")
     return changes
@@ -55,16 +59,24 @@ def described(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{key} ({shown(old)} -> {shown(new)})" for key, (old, new) in changes.items())
 
 
-def check_config_changes(folder: Path, saved: dict[str, Any], config, saved_state: dict[str, Any],
-                         fingerprint: str | None, steps_per_epoch: int, log: Callable[[str], Any]) -> list[str]:
-    """Refuse, in one line naming them, the changes from the checkpoint's config that `resume_allow_changes` does not
-    list; say what the allowed ones do (to the schedule, for its keys). Returns the keys that changed on purpose."""
-    changes = config_changes(saved, config, saved_state, fingerprint)
+def refuse_changes(folder: Path, changes: dict[str, tuple[Any, Any]], config,
+                   alternative: str = NEW_OUTPUT_DIR) -> None:
+    """One line naming every change `resume_allow_changes` does not list, with both values; `alternative` is what
+    else the user can do."""
     refused = {key: change for key, change in changes.items() if key not in config.resume_allow_changes}
     if refused:
         raise UserError(f"checkpoint {folder}: this config changes what the run trains: {described(refused)}; resume "
                         f"with the checkpoint's values, or list the keys in resume_allow_changes to change them on "
-                        f"purpose (or start a new output_dir)")
+                        f"purpose (or {alternative})")
+
+
+def check_config_changes(folder: Path, saved: dict[str, Any], config, saved_state: dict[str, Any],
+                         fingerprint: str | None, steps_per_epoch: int, log: Callable[[str], Any],
+                         alternative: str = NEW_OUTPUT_DIR) -> list[str]:
+    """Refuse, in one line naming them, the changes from the checkpoint's config that `resume_allow_changes` does not
+    list; say what the allowed ones do (to the schedule, for its keys). Returns the keys that changed on purpose."""
+    changes = config_changes(saved, config, saved_state, fingerprint)
+    refuse_changes(folder, changes, config, alternative)
     if changes:
         log(f"resume_allow_changes: resuming with {described(changes)}")
     if any(key in SCHEDULE_KEYS for key in changes):

@@ -9,7 +9,8 @@
   `map.html#color=source&search=volcano&point=val:12` (the last opens that example's hover card).
 - `map.png` (next to the HTML): the same layout coloured by loss (or by loss change), with a colour bar and the
   cluster numbers.
-- `clusters.csv`: one row per cluster with its label, size and loss statistics.
+- `map.clusters.csv` (next to the HTML, named after it): one row per cluster with its label, size and loss
+  statistics.
 
 Modules, in the order `build.build_map` uses them: runs (reading inference.parquet, the loss change), layout
 (PCA with scikit-learn, UMAP with umap-learn), clusters (scikit-learn's k-means, class-based TF-IDF labels, the
