@@ -243,7 +243,8 @@ def token_loss(model, batch: dict[str, torch.Tensor], z_loss: float = 0.0, last_
     with head_removed(parent, name):
         hidden = model(**model_inputs(batch)).logits[:, :-1]
     targets = targets.to(hidden.device)
-    trained = targets != IGNORE
+    # One nonzero for both selections: each waits for the device (the count of trained positions sets the shapes).
+    trained = (targets != IGNORE).nonzero(as_tuple=True)
     total, z_sum = chunked_loss_and_z(hidden[trained], head, targets[trained], z_loss)
     last = None
     if last_position:

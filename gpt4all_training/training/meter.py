@@ -61,7 +61,7 @@ class ThroughputMeter:
         """The training row of this step (the window since the last row), then a new window."""
         seconds = time.perf_counter() - self.started
         window = self.window
-        row = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
+        row = {"loss": result["loss"], "lr": result["lr"], "grad_norm": float(result["grad_norm"]),
                "tokens_per_s": window["real"] / seconds, "trained_tokens_per_s": window["trained"] / seconds,
                "padding_fraction": 1 - window["real"] / max(window["padded"], 1.0),
                "trained_tokens": state.trained_tokens, "epoch": state.epoch(self.steps_per_epoch),

@@ -37,17 +37,19 @@ def train_step(model, batches: list[dict[str, torch.Tensor]], backend, optimizer
                max_grad_norm: float | None, step: int, loss_fn=token_loss_sum, nan_policy: str = "stop",
                grad_norms: bool = False, count=trained_token_count) -> dict[str, Any]:
     """One optimizer step. `loss_fn(model, batch)` is a micro-batch's loss summed over what `count(batch)` counts.
-    Returns the global step loss (that sum over all micro-batches and ranks, divided by their total count) and the
-    token counts; with `grad_norms`, also "group_grad_norms" (group_grad_norms before clipping) when the gradients
+    Returns the global step loss (that sum over all micro-batches and ranks, divided by their total count), the
+    token counts and the gradient norm before clipping (a tensor on the device, or a number: `float()` it where it
+    is logged); with `grad_norms`, also "group_grad_norms" (group_grad_norms before clipping) when the gradients
     are finite.
 
     A non-finite loss stops the run, or with nan_policy "skip" drops this step's update: every rank sees the same
     reduced loss, so all of them skip together, and the scheduler still steps (the lr stays a function of the step).
     """
-    local = torch.tensor([sum(count(b) for b in batches), sum(trained_token_count(b) for b in batches),
-                          sum(real_token_count(b) for b in batches),
-                          sum(b["input_ids"].numel() for b in batches)], dtype=torch.float64, device=backend.device)
-    n_counted, n_trained, n_real, n_padded = backend.reduce(local).tolist()
+    counts = [float(sum(count(b) for b in batches)), float(sum(trained_token_count(b) for b in batches)),
+              float(sum(real_token_count(b) for b in batches)), float(sum(b["input_ids"].numel() for b in batches))]
+    if backend.world_size > 1:  # the device round trip (a host sync on a GPU) only where there are ranks to sum
+        counts = backend.reduce(torch.tensor(counts, dtype=torch.float64, device=backend.device)).tolist()
+    n_counted, n_trained, n_real, n_padded = counts
     # DDP averages gradients over ranks; scaling by the world size makes the result sum/global-count exactly.
     scale = backend.world_size / max(n_counted, 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
@@ -72,5 +74,6 @@ def train_step(model, batches: list[dict[str, torch.Tensor]], backend, optimizer
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     backend.step_boundary()  # XLA: one graph per step
-    return {"loss": loss, "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+    # The norm stays where the backend computed it: reading it (meter.row, on logging rows) waits for the device.
+    return {"loss": loss, "lr": lr, "grad_norm": grad_norm if grad_norm is not None else float("nan"),
             "n_trained": n_trained, "n_real": n_real, "n_padded": n_padded, "skipped": int(skipped), **result}
