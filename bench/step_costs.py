@@ -9,6 +9,8 @@ above it by one piece, so the differences of their times are what the pieces cos
 
   plain               the examples concatenated into dense rows (the fewest of at most max_length, equal width),
                       every position trained, the model's own full-vocabulary loss, backward, clipping, AdamW
+  packed-causal       our packed rows without their position ids: causal attention across each row's examples (not
+                      what training may do; it separates the padding of the rows from their block mask)
   plain-packed        our packed micro-batch instead (position ids restarting per example, padding to the longest
                       row, prompt positions not trained), the model's own loss: padding and the block mask
   chunked-head        our token loss (the head over trained positions only, in chunks) instead of the model's
@@ -39,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-RUNGS = ("plain", "plain-packed", "chunked-head", "ours", "ours-fetch", "plain-nodrop", "ours-nodrop",
+RUNGS = ("plain", "packed-causal", "plain-packed", "chunked-head", "ours", "ours-fetch", "plain-nodrop", "ours-nodrop",
          "plain-bf16base", "ours-bf16base")
 
 
@@ -150,6 +152,8 @@ class Setup:
         inputs = {k: v for k, v in batch.items() if k in ("input_ids", "labels", "position_ids")}
         steps = {
             "plain": lambda: self.plain_step(lambda model: model(input_ids=rows, labels=rows).loss),
+            "packed-causal": lambda: self.plain_step(
+                lambda model: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss),
             "plain-packed": lambda: self.plain_step(lambda model: model(**inputs).loss),
             "chunked-head": lambda: self.plain_step(
                 lambda model: token_loss_sum(model, batch) / trained_token_count(batch)),
@@ -197,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {r: [] for r in rungs}
     for round_ in range(args.rounds):
         indices = list(range(round_ * m["batch_size"], (round_ + 1) * m["batch_size"]))
+        packed = setup.objective.fetch(setup.data, indices, setup.pad_id)["input_ids"].shape
+        rows = dense(setup.data.select(indices)["input_ids"], setup.config.max_length).shape
         order = rungs[round_ % len(rungs):] + rungs[:round_ % len(rungs)]
         for rung in order:
             times[rung].append(setup.run(rung, indices))
         print(f"  round {round_ + 1}: " + ", ".join(f"{r} {times[r][-1]:.2f} CPU s" for r in rungs)
-              + f" (load {os.getloadavg()[0]:.1f})", flush=True)
+              + f" (dense rows {tuple(rows)}, packed {tuple(packed)}; load {os.getloadavg()[0]:.1f})", flush=True)
     base = times[rungs[0]][1:]
     print(f"\n| rung | CPU s/step (median) | x {rungs[0]} (median of rounds) |\n|---|---|---|")
     for rung in rungs:
