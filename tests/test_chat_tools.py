@@ -1,6 +1,6 @@
-"""Tool calls and roles a chat template leaves out of its text: `data.py`, `check` and `train` refuse them in one
-line (how many conversations, and the first one's file and line) instead of training a tool-call turn as an empty
-answer. Found by rendering each conversation again with the part changed: a template that ignores a part renders
+"""Tool calls and roles a chat template leaves out of its text: `data.py`, `check`, `train` and `inference` refuse
+them in one line (how many conversations, and the first one's file and line) instead of training a tool-call turn
+as an empty answer. Found by rendering each conversation again with the part changed: a template that ignores a part renders
 the same text. A template that renders them trains them: the tool call is part of the trained answer."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from gpt4all_training.data.sft import load_data
 from gpt4all_training.errors import UserError
 
 CHAT_CONFIG = REPO / "configs" / "train" / "chat_tiny.yaml"
+INFERENCE_CONFIG = REPO / "configs" / "inference" / "tiny.yaml"
 PLAIN = [{"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}]}] * 2
 # A template that writes user, assistant and system turns and skips any other role.
 NO_TOOL_ROLE = ("{% for message in messages %}{% if message['role'] in ['system', 'user', 'assistant'] %}"
@@ -77,6 +78,9 @@ def test_data_py_and_train_refuse_tool_calls_the_template_drops(chat_tokenizer, 
     assert one_error_line(capsys, ["data", "--config", CHAT_CONFIG, *overrides]) == expected
     assert one_error_line(capsys, ["train", "--config", CHAT_CONFIG, *overrides]) == expected
     assert not (tmp_path / "run" / "final").exists()
+    scoring = [f"model_name={model}", f"dataset_path={tool_data}", f"output_dir={tmp_path / 'scores'}"]
+    assert one_error_line(capsys, ["inference", "--config", INFERENCE_CONFIG, *scoring]) == expected
+    assert not (tmp_path / "scores" / "inference.parquet").exists()
 
 
 def test_a_role_the_template_skips_is_refused(chat_tokenizer, tool_data):

@@ -48,7 +48,8 @@ from gpt4all_training.data.batching import collate
 from gpt4all_training.data.chat import with_conversation_text
 from gpt4all_training.data.prompts import resolve_template
 from gpt4all_training.data.records import load_records
-from gpt4all_training.data.sft import effective_num_proc, finish_split, split_records, tokenize_dataset
+from gpt4all_training.data.sft import (effective_num_proc, finish_split, refuse_unrendered, split_records,
+                                       tokenize_dataset)
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.loading import check_positions, load_model, model_config, tokenizer_for
 from gpt4all_training.model.trained import training_run_config
@@ -126,10 +127,12 @@ def load_examples(config: InferenceConfig, tokenizer) -> Examples:
         raise UserError(f"dataset_path {config.dataset_path}: no records")
     template = resolve_template(config.prompt_template, tokenizer)
     num_proc = effective_num_proc(config, len(records))
+    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns)
+                        for raw in split_records(records, config.val_fraction, config.seed)]
+    refuse_unrendered(tokenized_splits, config.dataset_path)  # as training does: never scored as empty answers
     kept = []
-    for name, raw in zip(SPLITS, split_records(records, config.val_fraction, config.seed)):
-        split, stats = finish_split(tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc,
-                                                     config.train_turns))
+    for name, tokenized in zip(SPLITS, tokenized_splits):
+        split, stats = finish_split(tokenized)
         dropped = ", ".join(f"{k} {v}" for k, v in stats.dropped.items()) or "none"
         print(f"{name}: {len(split)} examples to score (dropped: {dropped})", flush=True)
         kept.append(split)
