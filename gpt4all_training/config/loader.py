@@ -1,8 +1,9 @@
 """Loading a config: YAML with `key=value` overrides, typed by the dataclass fields, then validated.
 
-Works for any of the configs in `config/schemas.py`. YAML 1.1's ambiguities are settled by the field's type (`5e-5`
-is a string to YAML, a float here); a choice (`Literal`) is checked by `fields.choice_error`; an unknown key gets the
-closest valid name. A mistake gives one `UserError` line that names the key.
+Works for any of the configs in `config/schemas.py`. Each value is checked against its field's type by
+`fields.typed`, which settles YAML 1.1's ambiguities (`5e-5` is a string to YAML, a float here). An unknown key gets
+the closest valid name, or ours for the name TRL, transformers or axolotl give the same setting. A mistake gives one
+`UserError` line that names the key.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import dataclasses
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
 from gpt4all_training.config.blocks import validate
-from gpt4all_training.config.fields import choice_error, choices, shown, unwrap_optional
+from gpt4all_training.config.fields import shown, typed
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 
@@ -24,78 +25,47 @@ from gpt4all_training.errors import UserError
 # nested aliases can make.
 MAX_EXPANDED_VALUES = 10_000
 
+# The names TRL, transformers (TrainingArguments) and axolotl give settings we have under another name: a user who
+# brings a config from them types these. {their name: (ours, a hint where the value is written differently)}.
+FOREIGN_KEYS: dict[str, tuple[str, str]] = {
+    "learning_rate": ("lr", ""),
+    "per_device_train_batch_size": ("batch_size", ""),
+    "micro_batch_size": ("batch_size", ""),
+    "num_train_epochs": ("num_epochs", ""),
+    "lr_scheduler_type": ("lr_schedule", ""),
+    "lr_scheduler": ("lr_schedule", ""),
+    "max_seq_length": ("max_length", ""),
+    "sequence_len": ("max_length", ""),
+    "logging_steps": ("log_every", ""),
+    "save_steps": ("save_every", ""),
+    "save_total_limit": ("keep_last", ""),
+    "resume_from_checkpoint": ("checkpoint", "a step_N folder, or resume: auto for the newest"),
+    "hub_model_id": ("save_name", ""),
+    "model_name_or_path": ("model_name", ""),
+    "base_model": ("model_name", ""),
+    "dataset_name": ("dataset_path", ""),
+    "datasets": ("dataset_path", "one path or Hub id"),
+    "dataset_text_field": ("text_field", ""),
+    "dataset_num_proc": ("num_proc", ""),
+    "dataset_prepared_path": ("cache_dir", ""),
+    "val_set_size": ("val_fraction", "a share of the data, e.g. 0.05"),
+    "sample_packing": ("packing", ""),
+    "torch_dtype": ("dtype", ""),
+    "bf16": ("dtype", "bf16: true is dtype: bfloat16"),
+    "fp16": ("dtype", "fp16: true is dtype: float16"),
+    "torch_compile": ("compile", ""),
+    "use_peft": ("lora", ""),
+    "adapter": ("lora", "adapter: lora is lora: true"),
+    "data_seed": ("seed", ""),
+    "warmup_ratio": ("warmup_steps", "in optimizer steps, not a share of them"),
+    "cosine_min_lr_ratio": ("min_lr", "a learning rate, not a share of lr"),
+    "rl": ("objective", "rl: dpo is objective: dpo"),
+    "wandb_project": ("wandb_project_name", ""),
+}
+
+
 def config_fields(cls: type = TrainConfig) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def coerce(key: str, value: Any, tp: Any, metadata: Optional[Mapping[str, Any]] = None) -> Any:
-    """Check `value` against the field type `tp`, converting where YAML is ambiguous (`5e-5` is a string in YAML 1.1).
-
-    `metadata` is the field's (a choice's wording of its allowed values)."""
-    base, optional = unwrap_optional(tp)
-    if value is None:
-        if optional:
-            return None
-        raise UserError(f"{key}: must not be empty (expected {_type_name(base)})")
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        raise UserError(f"{key}: expected true or false, got {shown(value)}")
-    if base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        # YAML 1.1 reads `1e3` as a string and `1000.0` as a float; both are fine as long as they are whole.
-        number = _number(value)
-        if number is not None and number.is_integer():
-            return int(number)
-        raise UserError(f"{key}: expected an integer, got {shown(value)}")
-    if base is float:
-        number = _number(value)
-        if number is None:
-            raise UserError(f"{key}: expected a number, got {shown(value)}")
-        return number
-    if base is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise UserError(f"{key}: expected a string, got {shown(value)}")
-    if typing.get_origin(base) is Literal:
-        error = choice_error(key, value, tp, metadata or {})
-        if error is not None:
-            raise error
-        return value
-    if base is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise UserError(f"{key}: expected a mapping of name: value, got {shown(value)}")
-        return dict(value)
-    if typing.get_origin(base) is list:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UserError(f"{key}: expected a list of strings, got {shown(value)}")
-        error = choice_error(key, value, tp, metadata or {})
-        if error is not None:
-            raise error
-        return list(value)
-    raise TypeError(f"unsupported config type for {key}: {tp}")  # a bug in the dataclass, not user input
-
-
-def _number(value: Any) -> float | None:
-    """`value` as a float when it is a number or a numeric string (`5e-5` is a string in YAML 1.1), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
-
-
-def _type_name(tp: Any) -> str:
-    allowed = choices(tp)
-    return f"one of {', '.join(allowed)}" if allowed else getattr(tp, "__name__", str(tp))
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -181,12 +151,17 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def check_keys(values: dict[str, Any], cls: type, source: str) -> None:
-    """Reject the first key `cls` does not have, suggesting the closest valid name."""
+    """Reject the first key `cls` does not have, suggesting ours for another tool's name of it, else the closest
+    valid name."""
     fields = config_fields(cls)
     for key in values:
         if not isinstance(key, str) or key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            ours, how = FOREIGN_KEYS.get(key, ("", "")) if isinstance(key, str) else ("", "")
+            if ours in fields:
+                hint = f"; did you mean {ours!r}? ({how or f'{key} is what TRL, transformers or axolotl call it'})"
+            else:
+                close = difflib.get_close_matches(str(key), fields, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
             name = key if isinstance(key, str) and key.isprintable() and len(key) <= 80 else shown(key)
             raise UserError(f"{name}: unknown key in {source}{hint}")
 
@@ -195,7 +170,7 @@ def build_config(values: dict[str, Any], cls: type = TrainConfig, source: str = 
     check_keys(values, cls, source)
     hints = typing.get_type_hints(cls)
     fields = config_fields(cls)
-    return cls(**{key: coerce(key, value, hints[key], fields[key].metadata) for key, value in values.items()})
+    return cls(**{key: typed(key, value, hints[key], fields[key].metadata) for key, value in values.items()})
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type = TrainConfig,
