@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import reprlib
 import types
 import typing
 from typing import Any, Literal, Mapping, Optional
 
-from gpt4all_training.errors import UserError
+from gpt4all_training.errors import UserError, shown
 
 
 def doc(text: str, default: Any = None, *, factory: Any = None, required: bool = False,
@@ -151,12 +150,3 @@ def as_number(value: Any) -> float | None:
 def type_name(tp: Any) -> str:
     allowed = choices(tp)
     return f"one of {', '.join(allowed)}" if allowed else getattr(tp, "__name__", str(tp))
-
-
-def shown(value: Any) -> str:
-    """`value` for an error line: repr, cut short (a YAML alias can make a list of millions from a few lines)."""
-    short = reprlib.Repr()
-    short.maxstring = short.maxother = 160
-    short.maxlist = short.maxdict = 4
-    short.maxlevel = 2
-    return short.repr(value)

@@ -20,10 +20,9 @@ from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.fields import shown, typed
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
-
-# Values a config may hold once YAML aliases are expanded: far more than any real config, far fewer than a few
-# nested aliases can make.
-MAX_EXPANDED_VALUES = 10_000
+from gpt4all_training.files import atomic_write
+from gpt4all_training.readers import read_yaml as read_yaml_file
+from gpt4all_training.readers import yaml_problem
 
 # The names TRL, transformers (TrainingArguments) and axolotl give settings we have under another name: a user who
 # brings a config from them types these. {their name: (ours, a hint where the value is written differently)}.
@@ -86,63 +85,11 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def yaml_problem(text: str) -> str | None:
-    """A key written twice in one mapping (YAML keeps the last silently), or aliases that expand to more than
-    MAX_EXPANDED_VALUES values (a few lines can make billions, and copying the config would then never end); None
-    when neither. Read from the node graph, which constructs nothing and holds an alias as one shared node, so it
-    costs what the text costs."""
-    root = yaml.compose(text)
-    if root is None:
-        return None
-    sizes: dict[int, int] = {}  # values under each node, aliases expanded
-    open_nodes: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, children_done = stack.pop()
-        if id(node) in sizes:
-            continue
-        children = ([] if isinstance(node, yaml.ScalarNode)
-                    else [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
-                    else list(node.value))
-        if not children_done:
-            if id(node) in open_nodes:
-                return f"an alias refers to itself (line {node.start_mark.line + 1}); write the value out"
-            open_nodes.add(id(node))
-            stack.append((node, True))
-            stack.extend((child, False) for child in children if id(child) not in sizes)
-            continue
-        open_nodes.discard(id(node))
-        sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
-        if sizes[id(node)] > MAX_EXPANDED_VALUES:
-            return (f"YAML aliases expand to more than {MAX_EXPANDED_VALUES:,} values (line "
-                    f"{node.start_mark.line + 1}); write the values out")
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[tuple[str, str], int] = {}
-            for key, _ in node.value:
-                if not isinstance(key, yaml.ScalarNode):
-                    continue
-                line = key.start_mark.line + 1
-                if (key.tag, key.value) in seen:
-                    return (f"key {shown(key.value)} is written twice (lines {seen[key.tag, key.value]} and {line}); "
-                            f"keep one")
-                seen[key.tag, key.value] = line
-    return None
-
-
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config {path}: file not found; pass an existing YAML file to --config")
-    try:
-        text = path.read_text(encoding="utf-8")
-        problem = yaml_problem(text)
-        data = None if problem else yaml.safe_load(text)
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
-        line = getattr(getattr(exc, "problem_mark", None), "line", None)
-        where = f" (line {line + 1})" if line is not None else ""
-        raise UserError(f"config {path}: not valid YAML{where}; check the syntax") from None
-    if problem:
-        raise UserError(f"config {path}: {problem}")
+    data = read_yaml_file(path, "config")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -188,4 +135,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
 
 
 def save_config(config: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False), encoding="utf-8")
+    atomic_write(path, yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
