@@ -191,7 +191,7 @@ def server(chat_model_dir, tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SERVE_TEST_KEY": key}
     command = [PYTHON, "-m", "gpt4all_training.cli", "serve", "--model", str(chat_model_dir), "--port", str(port),
                "--api-key-env", "SERVE_TEST_KEY", "--max-batch-size", "8", "--max-tokens-cap", "64",
-               "--max-prompt-tokens", "256"]
+               "--max-prompt-tokens", "256", "--log-prompts"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -303,6 +303,28 @@ def test_concurrent_clients_are_batched_and_get_the_sequential_greedy_text(serve
     status, metrics = server.raw("GET", "/metrics")
     assert status == 200 and metrics["max_batch_rows"] > 1
     assert any(f"batch={size}" in server.log.read_text() for size in range(2, 9))
+
+
+@pytest.mark.integration
+def test_secrets_in_any_string_field_of_a_request_never_reach_the_log(server):
+    """With --log-prompts the prompts are logged: the server's API key (an environment secret) and a token-shaped
+    credential pasted into every string field are logged as ***."""
+    token = "hf_" + secrets.token_hex(17)
+    pasted = f"{token} {server.key}"
+    for route, body in [
+        ("/v1/completions", {"model": server.model, "prompt": f"say {pasted}", "stop": [pasted], "user": pasted,
+                             "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": server.model, "user": pasted, "max_tokens": 2, "stop": pasted,
+                                  "messages": [{"role": "system", "content": pasted, "name": pasted},
+                                               {"role": "user", "content": [{"type": "text", "text": pasted}]}]}),
+        ("/v1/completions", {"model": pasted, "prompt": "x"}),
+        ("/v1/chat/completions", {"model": server.model, "messages": [{"role": pasted, "content": pasted}]}),
+    ]:
+        status, _ = server.raw("POST", route, json.dumps(body).encode())
+        assert status in (200, 400, 404)
+    log = server.log.read_text()
+    assert token not in log and server.key not in log
+    assert "prompt='say *** ***'" in log
 
 
 @pytest.mark.integration

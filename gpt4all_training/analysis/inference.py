@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from gpt4all_training.data.records import load_records
 from gpt4all_training.data.sft import (effective_num_proc, finish_split, refuse_unrendered, split_records,
                                        tokenize_dataset)
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import atomic_file, atomic_write, make_own_folder, remove_own_folder
 from gpt4all_training.model.loading import check_positions, load_model, model_config, tokenizer_for
 from gpt4all_training.model.trained import training_run_config
 from gpt4all_training.training.loop import require_writable
@@ -234,9 +234,8 @@ def merge_shards(examples: Examples, output_dir: Path, world_size: int) -> Path:
     # The records' datasets metadata describes fewer columns than the table now has; drop it.
     table = table.replace_schema_metadata(None)
     path = output_dir / RESULT_FILE
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        pq.write_table(table, tmp)
     shutil.rmtree(output_dir / "shards")
     return path
 
@@ -293,7 +292,8 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         # The main process fills the datasets cache alone; the others then read it instead of racing to write it.
         with backend.main_process_first():
             if backend.is_main_process:
-                shutil.rmtree(output_dir / "shards", ignore_errors=True)  # left by a crashed run
+                remove_own_folder(output_dir / "shards", "output_dir")  # left by a crashed run
+                make_own_folder(output_dir / "shards")
                 output_dir.mkdir(parents=True, exist_ok=True)
             examples = load_examples(config, tokenizer)
         model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
@@ -329,7 +329,7 @@ def write_summary(config: InferenceConfig, world_size: int, path: Path, elapsed:
     summary = {"config": redact(dataclasses.asdict(config)), "world_size": world_size,
                "examples": table.num_rows, "seconds": round(elapsed, 3), "examples_per_second": round(rate, 2),
                "splits": split_summary(table)}
-    (path.parent / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    atomic_write(path.parent / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     for name, stats in summary["splits"].items():
         print(f"{name}: {stats['examples']} examples, mean example loss {stats['mean_example_loss']:.4f}, "
               f"token-weighted loss {stats['token_weighted_loss']:.4f}")

@@ -11,6 +11,7 @@ from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.sft import TRAINED_MARKS, dump_examples, load_data, show_example
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import writable_file
 from gpt4all_training.model.loading import tokenizer_for
 
 
@@ -23,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
+    if args.dump:
+        writable_file("--dump", args.dump, example="examples.jsonl")  # before the tokenization
     if config.objective != "sft":
         raise UserError(f"{args.config}: objective {config.objective}: `data` shows and dumps sft examples only; "
                         f"`plan` counts this objective's tokens and `check` tries a step of it")

@@ -15,9 +15,7 @@ kept records or dropped ones; nothing vanishes: `kept + dropped == read` for eve
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,7 @@ from gpt4all_training.data.preferences import (PAIR_FIELDS, answer_text, is_pref
                                                oasst_preferences, preference_record)
 from gpt4all_training.data.raw_files import SUFFIXES, read_units
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import atomic_file, atomic_write
 
 AI_DISCLAIMER = re.compile(r"\bas an ai\b|\bai language model\b|\bi am an ai\b|\bi'm an ai\b", re.IGNORECASE)
 REFUSAL = re.compile(
@@ -296,29 +295,18 @@ def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], o
     """Clean one raw file (data/raw_files.py) into `out_path`, written atomically (temp file, fsync, rename)."""
     report = FileReport()
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide the data from the group that trains on it
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for unit in read_units(path):
-                report.lines += 1
-                items = [Drop(unit)] if isinstance(unit, str) else parse_record(unit, path.stem, oasst)
-                for item in items:
-                    report.read += 1
-                    reason = item.reason if isinstance(item, Drop) else check_record(item, filters, seen)
-                    if reason:
-                        report.dropped[reason] += 1
-                        continue
-                    out.write(record_line(item))
-                    report.kept += 1
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(out_path) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        for unit in read_units(path):
+            report.lines += 1
+            items = [Drop(unit)] if isinstance(unit, str) else parse_record(unit, path.stem, oasst)
+            for item in items:
+                report.read += 1
+                reason = item.reason if isinstance(item, Drop) else check_record(item, filters, seen)
+                if reason:
+                    report.dropped[reason] += 1
+                    continue
+                out.write(record_line(item))
+                report.kept += 1
     return report
 
 
@@ -375,7 +363,5 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
         totals.update({key: entry[key] for key in ("lines", "read", "kept")})
         totals.update({f"dropped:{k}": v for k, v in entry["dropped"].items()})
     report["total"] = dict(totals)
-    tmp = output_dir / f"{REPORT_FILE}.tmp"
-    tmp.write_text(json.dumps(report, indent=2), encoding="utf-8")
-    os.replace(tmp, output_dir / REPORT_FILE)
+    atomic_write(output_dir / REPORT_FILE, json.dumps(report, indent=2))
     return report

@@ -25,6 +25,7 @@ from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
 from gpt4all_training.data.records import load_records, record_location
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import atomic_file
 
 
 # ---------------------------------------------------------------- labels (pure)
@@ -279,7 +280,7 @@ def dump_examples(splits: dict[str, Any], path: str | Path) -> int:
     """One JSON line per example of each split: {"split", "index" (the record's position in dataset_path: its
     0-based line in a single file), "input_ids", "labels"}. Returns the number of lines written."""
     count = 0
-    with open(path, "w", encoding="utf-8") as out:
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as out:
         for name, split in splits.items():
             for row in split.select_columns(["index", "input_ids", "labels"]):
                 out.write(json.dumps({"split": name, "index": row["index"], "input_ids": row["input_ids"],

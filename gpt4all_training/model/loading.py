@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from gpt4all_training.errors import UserError
 from gpt4all_training.model.chat_templates import apply_chat_template_option
 from gpt4all_training.model.names import (closest_sibling, missing_path_error, packaged_model, portable_name,
                                           resolved_name)
+from gpt4all_training.readers import read_json
 
 # Files a tokenizer is read from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -114,9 +114,13 @@ def tokenizer_for(config: ModelSource):
 def adapter_base(adapter_dir: str) -> str:
     """The base model an adapter names, as loading code can open it: a packaged model recorded by its short name
     (or, by adapters saved before short names, by a path inside some installation's venv) is this installation's."""
-    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    base = config["base_model_name_or_path"]
-    return resolved_name(base) if base else base
+    path = Path(adapter_dir) / "adapter_config.json"
+    config = read_json(path, "adapter")
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(base, str) or not base:
+        raise UserError(f"adapter {path}: names no base model (base_model_name_or_path); set it, or name the "
+                        f"base model (export: --base)")
+    return resolved_name(base)
 
 
 def load_model(name: str, revision: str | None = None, gguf_file: str | None = None,
