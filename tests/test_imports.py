@@ -21,7 +21,7 @@ from support.paths import REPO
 
 PACKAGE = "gpt4all_training"
 # Which layers each layer may import, besides its own modules. cli may import everything; no layer lists cli.
-FOUNDATIONS = {"config", "batch", "errors", "files", "readers"}
+FOUNDATIONS = {"config", "batch", "errors", "files", "readers", "paths"}
 COMPONENTS = {"data", "model", "backends", "tracking"}
 STAGES = {"preflight", "analysis", "generation", "export", "evaluation", "serving"}
 LAYERS: dict[str, set[str]] = {
@@ -31,11 +31,12 @@ LAYERS: dict[str, set[str]] = {
     **{stage: {"training", *COMPONENTS, *FOUNDATIONS} for stage in STAGES},
     "training": {*COMPONENTS, *FOUNDATIONS},
     **{component: FOUNDATIONS for component in COMPONENTS},
-    "config": {"errors", "files", "readers"},
+    "config": {"errors", "files", "readers", "paths"},
     "batch": set(),
     # The lowest layer beside errors, importable by every layer: crash-safe files, and the readers of input files.
     "files": {"errors"},
     "readers": {"errors"},
+    "paths": {"errors"},
     "errors": set(),
 }
 

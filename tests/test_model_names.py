@@ -66,6 +66,24 @@ def test_a_misspelt_local_path_is_refused_at_once_with_the_folder_it_meant(comma
         f"error: {key}: ckpts/oasst_lor does not exist; did you mean ckpts/oasst_lora?")
 
 
+@pytest.mark.parametrize("command", ["train", "data", "inference"])
+def test_a_misspelt_dataset_folder_is_refused_before_the_tokenizer_loads(command, tmp_path, capsys, monkeypatch):
+    """`dataset_path=data/clen` beside data/clean was looked up on the Hub, after the tokenizer had loaded (over a
+    minute for SmolLM2 on these CPUs). The model here is an empty folder, whose tokenizer would fail first."""
+    from support.paths import REPO
+
+    (tmp_path / "data" / "clean").mkdir(parents=True)
+    (tmp_path / "model").mkdir()
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    argv = [*COMMANDS[command], "model_name=model", "dataset_path=data/clen"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: dataset_path: data/clen does not exist; did you mean data/clean?")
+
+
 def test_a_missing_final_folder_says_which_run_writes_it(tmp_path):
     with pytest.raises(UserError) as refused:
         model_source(str(tmp_path / "ckpts" / "tiny" / "final"))

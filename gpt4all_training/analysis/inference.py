@@ -53,6 +53,7 @@ from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_file, atomic_write, make_own_folder, remove_own_folder
 from gpt4all_training.model.loading import check_positions, load_model, model_config, tokenizer_for
 from gpt4all_training.model.trained import training_run_config
+from gpt4all_training.paths import require_dataset
 from gpt4all_training.training.loop import require_writable
 from gpt4all_training.training.loss import nll_sum
 
@@ -286,6 +287,7 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         check_training_split(config)
         output_dir = Path(config.output_dir)
         require_writable(output_dir)
+        require_dataset(config.dataset_path)
         tokenizer = tokenizer_for(config)
         check_positions(model_config(config.model_name, config.model_revision, config.gguf_file,
                                      config.trust_remote_code), config.max_length)  # before tokenising

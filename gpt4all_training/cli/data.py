@@ -13,6 +13,7 @@ from gpt4all_training.data.sft import TRAINED_MARKS, dump_examples, load_data, s
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import writable_file
 from gpt4all_training.model.loading import tokenizer_for
+from gpt4all_training.paths import require_dataset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if config.objective != "sft":
         raise UserError(f"{args.config}: objective {config.objective}: `data` shows and dumps sft examples only; "
                         f"`plan` counts this objective's tokens and `check` tries a step of it")
+    require_dataset(config.dataset_path)  # before the tokenizer, which may take a while to load
     tokenizer = tokenizer_for(config)
     (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
     start, end = TRAINED_MARKS

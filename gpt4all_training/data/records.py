@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from gpt4all_training.data.conversations import is_text, messages_type_problem
 from gpt4all_training.errors import UserError
+from gpt4all_training.paths import require_dataset
 
 TEXT_FIELDS = ("text", "content")
 SCHEMA_ADVICE = "fix the record, or run clean.py on the raw data, which counts such records as dropped"
@@ -37,8 +38,7 @@ def local_text_files(dataset_path: str) -> Optional[list[Path]]:
         if not files:
             raise UserError(f"dataset_path: no *.jsonl files in {path}")
         return files
-    if path.suffix in (".jsonl", ".json") or dataset_path.startswith((".", "/", "~")):
-        raise UserError(f"dataset_path: {dataset_path} does not exist")
+    require_dataset(dataset_path)
     return None
 
 
@@ -262,9 +262,8 @@ def load_records(dataset_path: str, revision: str | None = None):
         # Local data has no revisions: datasets 5.2 reads a folder's current files whatever the revision (even in
         # a git repository). Say so rather than let a pin look effective.
         warnings.warn(f"revision {revision!r} is ignored for the local path {dataset_path}", stacklevel=2)
-    if files is None and (path.suffix in (".jsonl", ".json")
-                          or dataset_path.startswith((".", "/", "~")) and not path.exists()):
-        raise UserError(f"dataset_path: {dataset_path} does not exist")
+    if files is None:
+        require_dataset(dataset_path)
     ds = load_table(dataset_path, revision, files, "run clean.py on it first")
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
     if missing and "messages" not in ds.column_names:

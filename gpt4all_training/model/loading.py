@@ -13,8 +13,8 @@ from safetensors import SafetensorError
 from gpt4all_training.config.blocks import ModelSource
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.chat_templates import apply_chat_template_option
-from gpt4all_training.model.names import (closest_sibling, missing_path_error, packaged_model, portable_name,
-                                          resolved_name)
+from gpt4all_training.model.names import missing_path_error, packaged_model, portable_name, resolved_name
+from gpt4all_training.paths import closest_sibling
 from gpt4all_training.readers import read_json
 
 # Files a tokenizer is read from; a folder with none of them has no tokenizer.

@@ -23,6 +23,7 @@ from gpt4all_training.model.from_config import resolve_model_config
 from gpt4all_training.model.loading import check_positions, model_config, tokenizer_for
 from gpt4all_training.model.lora import apply_lora
 from gpt4all_training.model.parameters import count_parameters, param_groups, resident_parameters
+from gpt4all_training.paths import require_dataset
 from gpt4all_training.tracking.tracker import Tracker
 from gpt4all_training.training.checkpoint import Checkpointer, resume_point, resume_training
 from gpt4all_training.training.evaluate import Evaluator
@@ -48,6 +49,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
                         "backward, before the step's loss is known; use 'stop'")
     objective = objective_for(config)
     start = resume_point(config, backend, log)  # before the data: cheap, and its line is the first
+    require_dataset(config.dataset_path)  # a typo is one line now, not after the tokenizer has loaded
 
     tokenizer = tokenizer_for(config)
     check_positions(architecture(config, tokenizer), config.max_length)  # before the minutes of tokenising
