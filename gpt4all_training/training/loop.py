@@ -79,8 +79,9 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
             model.train()
             while state.step < total_steps:
                 stop.last_step = state.step + 1 == total_steps
-                batches = objective.step_batches(model, backend, data.train, state.step,
-                                                 sampler.step_indices(state.step), tokenizer.pad_token_id)
+                with meter.building_batches():
+                    batches = objective.step_batches(model, backend, data.train, state.step,
+                                                     sampler.step_indices(state.step), tokenizer.pad_token_id)
                 result = train_step(model, batches, backend, optimizer, scheduler, config.max_grad_norm, state.step,
                                     objective.loss, config.nan_policy,
                                     grad_norms=bool(grads_every) and (state.step + 1) % grads_every == 0,
