@@ -1,20 +1,24 @@
 """training/objectives/: every objective the config offers is registered and has both faces (the loop's and the
-checks'), and the loop builds each step's batches through the objective with the very model it trains, holding the
-weights the previous update left, timed apart from the update."""
+checks'); `data` asks the objective, not the config, whether it can show its examples; and the loop builds each
+step's batches through the objective with the very model it trains, holding the weights the previous update left,
+timed apart from the update."""
 
 from __future__ import annotations
 
+import argparse
 import time
 import typing
 
 import pytest
 import torch
-from support.files import write_jsonl
+from support.files import write_config, write_jsonl
 
 import gpt4all_training.training.loop as loop
+from gpt4all_training.cli import data as data_command
 from gpt4all_training.config.blocks import Objective as ObjectiveBlock
 from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.errors import UserError
 from gpt4all_training.model.loading import load_model
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.objectives import OBJECTIVES, objective_for
@@ -32,6 +36,16 @@ def test_every_objective_the_config_offers_is_registered_with_both_faces():
         objective = objective_for(TrainConfig(objective=name))
         assert objective.name == name
         assert isinstance(objective, TrainingObjective) and isinstance(objective, ObjectiveChecks)
+
+
+@pytest.mark.parametrize("name", ["causal_lm", "dpo"])
+def test_data_refuses_an_objective_whose_examples_it_cannot_show_by_name(name, tmp_path):
+    config = write_config(tmp_path, {"objective": name, "model_name": "org/model",
+                                     "dataset_path": str(tmp_path), "output_dir": str(tmp_path / "run")})
+    with pytest.raises(UserError) as refused:
+        data_command.run(argparse.Namespace(config=str(config), overrides=[], show=3, dump=None))
+    assert str(refused.value) == (f"{config}: objective {name}: `data` shows and dumps sft examples only; `plan` "
+                                  f"counts this objective's tokens and `check` tries a step of it")
 
 
 def weights(model) -> torch.Tensor:
