@@ -29,6 +29,7 @@ from gpt4all_training.training.evaluate import Evaluator
 from gpt4all_training.training.final import finish_run
 from gpt4all_training.training.meter import ThroughputMeter, peak_memory
 from gpt4all_training.training.objectives import objective_for
+from gpt4all_training.training.objectives.protocol import TrainingObjective
 from gpt4all_training.training.schedule import build_scheduler, total_optimizer_steps
 from gpt4all_training.training.step import train_step
 from gpt4all_training.training.stop import GracefulStop
@@ -46,7 +47,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     if config.nan_policy == "skip" and not backend.supports_nan_skip:
         raise UserError("nan_policy: 'skip' is not available under DeepSpeed, whose engine applies the update inside "
                         "backward, before the step's loss is known; use 'stop'")
-    objective = objective_for(config)
+    objective: TrainingObjective = objective_for(config)  # the loop asks nothing of its checks face
     start = resume_point(config, backend, log)  # before the data: cheap, and its line is the first
 
     tokenizer = tokenizer_for(config)
