@@ -3,7 +3,9 @@
 - no cycle among the package's modules, counting imports inside functions too;
 - nothing imports upward against the pipeline's layers (LAYERS below), and nothing imports the CLI;
 - our own modules are imported at module top, never inside a function (third-party packages may be imported
-  lazily; the CLI's subcommand table names its modules as strings for importlib, which is not an import statement).
+  lazily; the CLI's subcommand table names its modules as strings for importlib, which is not an import statement);
+- the objective is chosen once: no `.objective` attribute outside config/ and training/objectives/ (everything else
+  asks the object `objective_for(config)` returns).
 
 Each rule reports every violation at once, each naming the importing file and line and the module it imports.
 The last tests plant each kind of violation in a small package under tmp_path and check that it is caught.
@@ -200,6 +202,25 @@ def lazy_imports(root: Path, package: str) -> list[str]:
             for edge in import_edges(root, package) if edge.lazy]
 
 
+# Where `.objective` may be written or read: the config that declares it, and the package that acts on it.
+OBJECTIVE_READERS = ("config", "training/objectives")
+
+
+def objective_reads(root: Path, package: str) -> list[str]:
+    """Every `.objective` attribute (read, written or deleted) in the package outside OBJECTIVE_READERS."""
+    allowed = tuple(root / package / folder for folder in OBJECTIVE_READERS)
+    problems = []
+    for path in sorted((root / package).rglob("*.py")):
+        if any(path.is_relative_to(folder) for folder in allowed):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        lines = sorted(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                       and node.attr == "objective")
+        problems += [f"{path.relative_to(root).as_posix()}:{line} uses .objective (ask the object "
+                     f"objective_for(config) returns)" for line in lines]
+    return problems
+
+
 def fail_on(problems: list[str]) -> None:
     if problems:
         pytest.fail(f"{len(problems)} violation(s):\n" + "\n".join(problems), pytrace=False)
@@ -215,6 +236,10 @@ def test_nothing_imports_upward_against_the_layers():
 
 def test_our_own_modules_are_imported_at_module_top():
     fail_on(lazy_imports(REPO, PACKAGE))
+
+
+def test_only_config_and_the_objectives_read_the_objective():
+    fail_on(objective_reads(REPO, PACKAGE))
 
 
 # ---------------------------------------------------------------- the checker on planted violations
@@ -279,3 +304,23 @@ def test_planted_upward_and_sideways_imports_and_an_import_of_the_cli_are_named(
         "gpt4all_training/training/loop.py:3 imports gpt4all_training.cli.main (nothing imports cli)",
     ]
     assert lazy_imports(root, PACKAGE) == []
+
+
+def test_planted_objective_reads_outside_config_and_the_objectives_are_named(tmp_path):
+    root = write_package(tmp_path, {
+        "gpt4all_training/config/schemas.py": "def dpo(config):\n    return config.objective == 'dpo'\n",
+        "gpt4all_training/training/objectives/__init__.py": "def name(config):\n    return config.objective\n",
+        "gpt4all_training/training/objectives_old.py": "def name(config):\n    return config.objective\n",
+        "gpt4all_training/preflight/check.py": """\
+            def pairs(config):
+                sequences = 2 if config.objective == "dpo" else 1
+                return sequences
+
+            def rename(config):
+                config.objective = "sft"
+            """,
+        "gpt4all_training/cli/data.py": "def name(args, config):\n    return getattr(config, 'name', args.objective)\n",
+    })
+    reason = "uses .objective (ask the object objective_for(config) returns)"
+    assert objective_reads(root, PACKAGE) == [f"gpt4all_training/{where} {reason}" for where in (
+        "cli/data.py:2", "preflight/check.py:2", "preflight/check.py:6", "training/objectives_old.py:2")]

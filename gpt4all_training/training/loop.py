@@ -30,6 +30,7 @@ from gpt4all_training.training.evaluate import Evaluator
 from gpt4all_training.training.final import finish_run
 from gpt4all_training.training.meter import ThroughputMeter, peak_memory
 from gpt4all_training.training.objectives import objective_for
+from gpt4all_training.training.objectives.protocol import TrainingObjective
 from gpt4all_training.training.schedule import build_scheduler, total_optimizer_steps
 from gpt4all_training.training.step import train_step
 from gpt4all_training.training.stop import GracefulStop
@@ -47,7 +48,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     if config.nan_policy == "skip" and not backend.supports_nan_skip:
         raise UserError("nan_policy: 'skip' is not available under DeepSpeed, whose engine applies the update inside "
                         "backward, before the step's loss is known; use 'stop'")
-    objective = objective_for(config)
+    objective: TrainingObjective = objective_for(config)  # the loop asks nothing of its checks face
     start = resume_point(config, backend, log)  # before the data: cheap, and its line is the first
     require_dataset(config.dataset_path)  # a typo is one line now, not after the tokenizer has loaded
 
@@ -81,8 +82,9 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
             model.train()
             while state.step < total_steps:
                 stop.last_step = state.step + 1 == total_steps
-                batches = [objective.fetch(data.train, indices, tokenizer.pad_token_id)
-                           for indices in sampler.step_indices(state.step)]
+                with meter.building_batches():
+                    batches = objective.step_batches(model, backend, data.train, state.step,
+                                                     sampler.step_indices(state.step), tokenizer.pad_token_id)
                 result = train_step(model, batches, backend, optimizer, scheduler, config.max_grad_norm, state.step,
                                     objective.loss, config.nan_policy,
                                     grad_norms=bool(grads_every) and (state.step + 1) % grads_every == 0,

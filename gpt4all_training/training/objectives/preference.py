@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,8 +249,8 @@ def reference_key(config) -> str:
     import transformers
 
     code = hashlib.sha256()
-    for module in ("loss.py", "preference.py"):
-        code.update((Path(__file__).parent / module).read_bytes())
+    for source in (inspect.getsourcefile(sequence_logps), __file__):  # training/loss.py and this module
+        code.update(Path(source).read_bytes())
     described = {"model": [config.model_name, config.model_revision, config.gguf_file, model_files(config.model_name)],
                  "dtype": config.dtype, "code": code.hexdigest(),
                  "versions": [torch.__version__, transformers.__version__]}
