@@ -148,7 +148,7 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
         # packaged model by its short name, which every installation resolves (not a path inside this venv).
         model.name_or_path = portable_name(Path(source) / extra["gguf_file"])
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         model.config.use_cache = False
     return model
 
