@@ -17,6 +17,8 @@ adapter in `assemble`, and is refused where `backend.partitions_parameters and n
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -31,7 +33,19 @@ from gpt4all_training.model.wrappers import unwrap_model
 MASTER_DTYPE = torch.float32
 
 
-def build_training_model(config: TrainConfig, tokenizer, backend, *, dropout_off: bool = False) -> nn.Module:
+class BuildingBackend(Protocol):
+    """What building asks the run's backend (backends/backend.py)."""
+    chunks_output_head: bool
+
+    def parameter_shape(self, param: torch.Tensor) -> torch.Size: ...
+
+    def held_elements(self, param: torch.Tensor) -> int: ...
+
+    def print(self, *args) -> None: ...
+
+
+def build_training_model(config: TrainConfig, tokenizer, backend: BuildingBackend, *,
+                         dropout_off: bool = False) -> nn.Module:
     """The model `config` trains, for backend.prepare: its base (init: config.init), checkpointed and with a LoRA
     adapter as the config says. `dropout_off` sets every dropout of the base to 0 (dpo: the policy and its reference
     must score a text alike). Under ZeRO-3 it is built partitioned."""
@@ -52,7 +66,7 @@ def base_model(config: TrainConfig, tokenizer, *, dtype: torch.dtype = MASTER_DT
     return model
 
 
-def assemble(model: nn.Module, config: TrainConfig, backend) -> nn.Module:
+def assemble(model: nn.Module, config: TrainConfig, backend: BuildingBackend) -> nn.Module:
     """`model` (a base) made into the model a run trains: checkpointed, with its LoRA adapter, the loss told what it
     may do with the output head, and its parameter counts logged."""
     if config.gradient_checkpointing and not model.is_activation_checkpointing:
@@ -85,7 +99,7 @@ def chunked_head_allowed(model: nn.Module) -> bool:
     return getattr(unwrap_model(model), "chunked_head_allowed", True)
 
 
-def log_parameter_counts(model: nn.Module, backend) -> None:
+def log_parameter_counts(model: nn.Module, backend: BuildingBackend) -> None:
     """One line: trainable and total parameters, and what this rank holds where the model was built partitioned
     (ZeRO-3; FSDP2 shards later, in prepare, and says so there). The backend says how big each parameter is."""
     trainable, total = count_parameters(model, backend.parameter_shape)
