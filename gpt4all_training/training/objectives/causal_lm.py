@@ -10,12 +10,12 @@ from gpt4all_training.data.batching import fetch_rows
 from gpt4all_training.data.records import iter_records, record_text
 from gpt4all_training.data.sampling import StepSampler, row_sampler
 from gpt4all_training.data.text import load_pretrain_data
-from gpt4all_training.model.from_config import build_model_from_config
+from gpt4all_training.model.build import build_training_model
 from gpt4all_training.training.counts import DataPlan, TokenCounts
 from gpt4all_training.training.evaluate import TokenValidation
 from gpt4all_training.training.loss import CausalLMLoss
 from gpt4all_training.training.objectives.protocol import Batch, Data, RecordScan
-from gpt4all_training.training.objectives.shared import epochs_line, pretrained_model
+from gpt4all_training.training.objectives.shared import epochs_line
 
 
 class CausalLM:
@@ -37,10 +37,8 @@ class CausalLM:
         (train, val), (train_stats, val_stats) = load_pretrain_data(config, tokenizer, log, world_size=world_size)
         return Data(train, val, train_stats, val_stats, None if train.streaming else train.fingerprint())
 
-    def build_model(self, config, tokenizer):
-        if config.init == "from_config":
-            return build_model_from_config(config, tokenizer)  # random weights, seeded by the caller
-        return pretrained_model(config)
+    def build_model(self, config, tokenizer, backend):
+        return build_training_model(config, tokenizer, backend)  # init from_config: random, seeded by the caller
 
     def sampler(self, config, data: Data, world_size: int, rank: int) -> StepSampler:
         return row_sampler(data.train, config.batch_size, world_size, rank, config.gradient_accumulation_steps,

@@ -12,12 +12,13 @@ from gpt4all_training.data.pairs import (fetch_pairs, load_pair_data, load_prefe
                                          preference_rows)
 from gpt4all_training.data.preferences import PAIR_FIELDS, pair_problem
 from gpt4all_training.data.records import records_fingerprint
+from gpt4all_training.model.build import build_training_model
 from gpt4all_training.training.counts import DataPlan, TokenCounts, run_layout
 from gpt4all_training.training.objectives.preference import (REFERENCES, PairValidation, PreferenceLoss,
-                                                             PreferenceSettings, attach_reference, disable_dropout,
-                                                             frozen_copy, reference_kind)
+                                                             PreferenceSettings, attach_reference, frozen_copy,
+                                                             reference_kind)
 from gpt4all_training.training.objectives.protocol import Batch, Data, RecordScan
-from gpt4all_training.training.objectives.shared import epochs_line, example_plan, example_sampler, pretrained_model
+from gpt4all_training.training.objectives.shared import epochs_line, example_plan, example_sampler
 
 
 class DirectPreference:
@@ -48,10 +49,8 @@ class DirectPreference:
             config, tokenizer, fingerprint, lambda: load_pair_data(config, tokenizer, records), log)
         return Data(train, val, train_stats, val_stats, fingerprint)
 
-    def build_model(self, config, tokenizer):
-        model = pretrained_model(config)
-        disable_dropout(model)
-        return model
+    def build_model(self, config, tokenizer, backend):
+        return build_training_model(config, tokenizer, backend, dropout_off=True)
 
     def before_training(self, model, data: Data, backend, pad_id: int, log) -> None:
         if self.reference == "precomputed":

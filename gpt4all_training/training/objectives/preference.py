@@ -203,14 +203,6 @@ class PairValidation:
 
 # ---------------------------------------------------------------- precomputing the reference
 
-def disable_dropout(model) -> None:
-    """Dropout off in every module, as TRL does for preference training: the policy and the reference must score a
-    text alike, or the loss would not start at its reference point (ln 2 for sigmoid)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
 @torch.no_grad()
 def reference_logps(model, dataset, backend, batch_size: int, pad_id: int) -> np.ndarray:
     """(pairs, 2) float32: each pair's chosen and rejected log-probabilities under `model`, every rank scoring its

@@ -49,7 +49,9 @@ class TrainingObjective(Protocol):
 
     def load_data(self, config, tokenizer, log: Callable[[str], Any], world_size: int) -> Data: ...
 
-    def build_model(self, config, tokenizer): ...
+    def build_model(self, config, tokenizer, backend) -> torch.nn.Module:
+        """The model the run trains, assembled by model/build.py (its base, adapter, checkpointing, counts)."""
+        ...
 
     def sampler(self, config, data: Data, world_size: int, rank: int):
         """Which examples each rank takes at each step (data/sampling.py's StepSampler)."""

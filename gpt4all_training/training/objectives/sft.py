@@ -14,11 +14,12 @@ from gpt4all_training.data.conversations import conversation_problem
 from gpt4all_training.data.records import finetune_records, load_records, records_fingerprint
 from gpt4all_training.data.sft import load_data
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.build import build_training_model
 from gpt4all_training.training.counts import DataPlan, count_run_tokens, run_layout
 from gpt4all_training.training.evaluate import TokenValidation
 from gpt4all_training.training.loss import token_loss_sum
 from gpt4all_training.training.objectives.protocol import Batch, Data, RecordScan
-from gpt4all_training.training.objectives.shared import epochs_line, example_plan, example_sampler, pretrained_model
+from gpt4all_training.training.objectives.shared import epochs_line, example_plan, example_sampler
 
 # Prompt/response fields every fine-tuning record needs.
 FINETUNE_FIELDS = ("prompt", "response")
@@ -57,8 +58,8 @@ class FineTuning:
                                                                lambda: load_data(config, tokenizer, records), log)
         return Data(train, val, train_stats, val_stats, fingerprint)
 
-    def build_model(self, config, tokenizer):
-        return pretrained_model(config)
+    def build_model(self, config, tokenizer, backend):
+        return build_training_model(config, tokenizer, backend)
 
     def before_training(self, model, data: Data, backend, pad_id: int, log) -> None:
         """Nothing: the loss needs only the model being trained."""

@@ -1,21 +1,13 @@
-"""What more than one objective builds the same way: the pretrained model, the sampler over tokenized examples, the
-line about the run's length, and the plan of a split of examples."""
+"""What more than one objective builds the same way: the sampler over tokenized examples, the line about the run's
+length, and the plan of a split of examples."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from gpt4all_training.data.sampling import StepSampler
-from gpt4all_training.model.loading import load_model
 from gpt4all_training.training.counts import DataPlan, TokenCounts
 from gpt4all_training.training.objectives.protocol import Data
-
-
-def pretrained_model(config):
-    """model_name's weights in fp32 (the master weights, whatever the compute dtype)."""
-    return load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
-                      torch.float32, config.gradient_checkpointing)
 
 
 def example_sampler(config, data: Data, world_size: int, rank: int) -> StepSampler:
