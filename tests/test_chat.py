@@ -7,6 +7,9 @@ end-of-turn text after it, tokenize the text with offsets and label every token 
 parity properties compare against `apply_chat_template(tokenize=True, sanitize_control_tokens=True)` of each
 conversation's first k messages, which is what inference encodes.
 
+Reasoning (last section) is checked the same way on Qwen3's templates (tests/support/templates.py), which write a
+turn's reasoning only while no user message follows it, and on ChatML with a <think> block in the content.
+
 Three tokenizers: SmolLM2-135M-Instruct's (ChatML with a default system message; eos = <|im_end|>; slow to load the
 first time), the session BPE tokenizer with ChatML tokens and template (`chat_tokenizer`: eos = <|endoftext|>, so the
 end-of-turn token is not EOS), and the session BPE tokenizer with Llama 2's [INST] template (bos = eos, stripped

@@ -1,7 +1,15 @@
-"""Tool calls and roles a chat template leaves out of its text: `data.py`, `check`, `train` and `inference` refuse
-them in one line (how many conversations, and the first one's file and line) instead of training a tool-call turn
-as an empty answer. Found by rendering each conversation again with the part changed: a template that ignores a part renders
-the same text. A template that renders them trains them: the tool call is part of the trained answer."""
+"""Tool calls through the chat template.
+
+What a template leaves out of its text (tool calls, tool definitions, roles) is refused by `data.py`, `check`,
+`train` and `inference` in one line (how many conversations, and the first one's file and line) instead of training
+a tool-call turn as an empty answer; found by rendering each conversation again with the part changed. A template
+that renders them trains them: the tool call is part of the trained answer.
+
+Tool definitions (`tools`) and tool-call arguments go through clean.py and data.py as OpenAI sends them and reach
+the template as it reads them at inference (arguments as the object their JSON string decodes to); for the Llama 3.1,
+Qwen2.5, Qwen3 and Mistral templates (tests/support/templates.py) the labels equal a construction from each prefix's
+rendering, and the ids before every trained turn are what `serve` encodes for the same conversation.
+"""
 
 from __future__ import annotations
 

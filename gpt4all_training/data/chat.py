@@ -8,9 +8,10 @@ itself. System, user and tool turns, role headers and what follows the end-of-tu
 trained. `train_turns: last` trains only the final assistant turn; a message with `"train": false` is never trained.
 
 The input ids are those of the whole rendered conversation, encoded as `apply_chat_template(messages, tools=tools,
-tokenize=True, sanitize_control_tokens=True)` encodes it: special-token text a user typed ("<|im_end|>" in a question)
-stays text, and only the template writes special tokens. The same encoding serves generation
-(`encode_for_generation`, and `serve`), so training and inference see the same ids.
+tokenize=True, sanitize_control_tokens=True)` encodes it with the special tokens as control tokens: special-token
+text a user typed ("<|im_end|>" in a question) stays text, and only the template writes special tokens; an added
+token that is not special (Qwen's <think>) is encoded as every inference engine encodes it. The same encoding serves
+generation (`encode_for_generation`, and `serve`), so training and inference see the same ids.
 
 Each trained turn k is found turn by turn, from the template's rendering of the prefix that ends at it: its context
 is the encoding of `messages[:k]` with the generation prompt, its text what the encoding of `messages[:k + 1]` adds
@@ -129,8 +130,9 @@ def marked(text: str) -> str:
     whatever a template does around a text, the rendering changes at both ends of it, and the whitespace around it
     (which a template may strip or write beside its markers) stays as it was."""
     core = text.strip()
-    lead, trail = text[:len(text) - len(text.lstrip())], text[len(core) + len(text) - len(text.lstrip()):]
-    return lead + ("^" if core.startswith("~") else "~") + core + ("^" if core.endswith("~") else "~") + trail
+    start = text.index(core)
+    return (text[:start] + ("^" if core.startswith("~") else "~") + core + ("^" if core.endswith("~") else "~")
+            + text[start + len(core):])
 
 
 class ChatEncoder:
