@@ -26,7 +26,7 @@ from support.tool_calls import TOOL_CHAT_TEMPLATE, tool_conversations
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.cli.main import main
 from gpt4all_training.config.loader import load_config
-from gpt4all_training.data.chat import tokenized_conversations
+from gpt4all_training.data.chat import encode_for_generation, tokenized_conversations
 from gpt4all_training.data.clean import clean
 from gpt4all_training.data.sft import load_data
 from gpt4all_training.errors import UserError
@@ -230,7 +230,7 @@ def test_trained_tokens_are_what_the_serving_path_renders(tokenizer_dir, tmp_pat
     """An OpenAI-format conversation with tools and tool calls, through clean.py and data.py: its labels equal the
     construction from each prefix's rendering (arguments given to the template as objects, tools in their own key
     order); and for every trained turn, the ids before it are what `serve` encodes for the same conversation (its
-    messages up to that turn, as an OpenAI client sends them)."""
+    messages up to that turn, as an OpenAI client sends them), and what generation encodes."""
     from gpt4all_training.serving.chat import chat_encoder, render
     from gpt4all_training.serving.protocol import ChatRequest, parse
 
@@ -253,6 +253,7 @@ def test_trained_tokens_are_what_the_serving_path_renders(tokenizer_dir, tmp_pat
         served = render(encoder, *body.conversation())
         assert row["input_ids"][:len(served)] == served and row["labels"][len(served)] != IGNORE
         assert row["labels"][len(served) - 1] == IGNORE
+        assert encode_for_generation(tokenizer, [record["messages"][:k]], [record["tools"]]) == [served]
 
 
 def test_arguments_as_a_string_would_be_written_twice_encoded(tokenizer_dir):

@@ -431,8 +431,10 @@ def require_trainable_chat(tokenizer, template: str, what: str) -> None:
 def encode_for_generation(tokenizer, conversations: list[Messages], tools: list[Tools] | None = None
                           ) -> list[list[int]]:
     """The ids a model answers from: each conversation (and the tools it offers) with the generation prompt,
-    encoded as in training."""
-    encoded = ChatEncoder(tokenizer).encode(conversations, [True] * len(conversations), tools)
+    encoded as in training (tool-call arguments still JSON strings decoded, as conversation_messages decodes
+    them)."""
+    encoded = ChatEncoder(tokenizer).encode([template_messages(m) for m in conversations],
+                                            [True] * len(conversations), tools)
     for number, ids in enumerate(encoded, 1):
         if ids is None:
             raise UserError(f"chat_template: it refuses conversation {number} (roles it cannot render, such as two "
