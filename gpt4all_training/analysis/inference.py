@@ -128,7 +128,8 @@ def load_examples(config: InferenceConfig, tokenizer) -> Examples:
         raise UserError(f"dataset_path {config.dataset_path}: no records")
     template = resolve_template(config.prompt_template, tokenizer)
     num_proc = effective_num_proc(config, len(records))
-    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns)
+    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns,
+                                         config.train_reasoning)
                         for raw in split_records(records, config.val_fraction, config.seed)]
     refuse_unrendered(tokenized_splits, config.dataset_path)  # as training does: never scored as empty answers
     kept = []
