@@ -72,8 +72,9 @@ def convert(job: dict) -> None:
         except (FileNotFoundError, ValueError) as error:
             if "tokenizer.model" not in str(error):
                 raise
-            fail(f"llama.cpp's converter writes {architecture} only with its SentencePiece tokenizer.model, and the "
-                 f"model has none (put the base model's tokenizer.model next to the weights)")
+            fail(f"llama.cpp's converter writes {architecture} only with its SentencePiece tokenizer.model, and none "
+                 f"whose pieces are the tokenizer's was found next to the weights, the tokenizer or the base model "
+                 f"(copy the base model's tokenizer.model into the folder you export)")
 
 
 def fail(message: str) -> None:
