@@ -303,3 +303,48 @@ def test_a_family_whose_converter_needs_sentencepiece_is_refused_in_one_line_wit
                                 "next to the weights, the tokenizer or the base model (copy the base model's "
                                 "tokenizer.model into the folder you export); use --format hf")
     assert not (tmp_path / "phi3.gguf").exists()
+
+
+# Reads every file it is given with the gpt4all client (its bundled llama.cpp), one line per file.
+GPT4ALL_PROBE = """
+import sys
+from pathlib import Path
+from gpt4all import GPT4All
+from gpt4all._pyllmodel import llmodel
+for name in sys.argv[1:]:
+    path = Path(name)
+    try:
+        client = GPT4All(path.name, model_path=str(path.parent), allow_download=False, device="cpu")
+    except RuntimeError as error:
+        print(path.name, "refused:", error, flush=True)
+        continue
+    print(path.name, "loaded" if llmodel.llmodel_isModelLoaded(client.model.model) else "not loaded", flush=True)
+    client.close()
+"""
+# What the gpt4all 2.8.2 client (a llama.cpp of mid-2024) does with each family's file. Its Gemma 2 graph knows only
+# the 9B and 27B models (42 and 46 layers) and aborts the process on any other: Gemma 2 2B's fine-tunes too.
+GPT4ALL_2_8 = {**dict.fromkeys(["llama3", "mistral", "qwen2", "phi3", "gpt_neox"], "loaded"),
+               **{family: f"refused: Unable to instantiate model: Unsupported model architecture: {architecture}"
+                  for family, architecture in (("qwen3", "qwen3"), ("gemma3", "gemma3"), ("smollm3", "smollm3"))},
+               "gemma2": "aborts"}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_which_families_the_gpt4all_2_8_client_reads(matrix, tmp_path):
+    """The README's client table: each family's Q8_0 file through gpt4all 2.8.2, in child processes (one that
+    aborts takes only its own)."""
+    import subprocess
+    import sys
+
+    def probe(families: list[str]) -> subprocess.CompletedProcess:
+        paths = [str(matrix[family].files["q8_0"]) for family in families]
+        return subprocess.run([sys.executable, "-c", GPT4ALL_PROBE, *paths], capture_output=True, text=True,
+                              timeout=300)
+
+    readable = [family for family, outcome in GPT4ALL_2_8.items() if outcome != "aborts"]
+    lines = probe(readable).stdout.splitlines()
+    outcomes = {family: line.removeprefix(f"{family}-q8_0.gguf ") for family, line in zip(readable, lines)}
+    aborted = probe(["gemma2"])
+    outcomes["gemma2"] = "aborts" if aborted.returncode < 0 and "GGML_ASSERT" in aborted.stderr else aborted.stdout
+    assert outcomes == GPT4ALL_2_8

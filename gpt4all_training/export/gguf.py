@@ -11,10 +11,13 @@ export/llama_cpp.py says where each tool comes from and why; neither needs a com
 How a file is written: the merged fp32 model is saved as a model folder, the converter writes F32, F16, BF16 or
 Q8_0 from it, and for Q4_0 and the k-quants llama.cpp's quantizer quantizes the F32 file (quantizing once from full
 precision). What this project adds on top, in the converter's own hooks (export/convert_worker.py):
-- the pre-tokenizer name when llama.cpp's hash table does not know the tokenizer: the name of the split the
-  tokenizer that trained the model has (tokenizer.json's pre_tokenizer). A vocabulary read from a GGUF comes back
-  from transformers without the digit split its file declared (SmolLM2's `smollm`), so a model fine-tuned from such
-  a base was trained on the plain GPT-2 split and its file says `gpt-2`;
+- the pre-tokenizer name: the split that the tokenizer which trained the model has (tokenizer.json's
+  pre_tokenizer) where pre_tokenizer_name can name it, else the name llama.cpp's table holds for the tokenizer's
+  hash. transformers reads SmolLM2's vocabulary from its GGUF without the digit split the file declares (`smollm`),
+  so a model fine-tuned from that base was trained on GPT-2's split, and its file says `gpt-2`. On SmolLM2's
+  vocabulary the two splits give the same tokens (none of its tokens joins a digit to anything), which llama.cpp's
+  table shows too: its hash of the fine-tune's tokenizer is SmolLM's. `gpt-2` is as true and older readers (GPT4All
+  2.8.2) know it;
 - the chat template's end-of-turn token as EOS and EOT: GPT4All 2.x stops at EOS only;
 - general.name, the base's license and the sampling settings the model was evaluated with (SAMPLING).
 Families whose vocabulary the converter reads only from a SentencePiece model (Gemma 2, Phi-3; Llama 2 and Gemma 3
