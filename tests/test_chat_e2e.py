@@ -122,7 +122,8 @@ def gpt4all_chats(path, tokenizer, max_tokens: int = 16) -> list[tuple[str, str]
     """GPT4All's replies to both turns of every topic's conversation, in a chat session in the model's template."""
     from gpt4all import GPT4All
 
-    model = GPT4All(path.name, model_path=str(path.parent), allow_download=False, device="cpu")
+    model = GPT4All(path.name, model_path=str(path.parent), allow_download=False, device="cpu",
+                    n_threads=torch.get_num_threads())  # its default takes every core, whatever else runs
     system_prompt, prompt_template = gpt4all_session(tokenizer)
     replies = []
     for question, _, _ in TOPICS:

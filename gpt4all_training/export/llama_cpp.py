@@ -220,7 +220,10 @@ class Reader:
 class LlamaCppModel:
     """A GGUF file opened by llama.cpp: its tokenizer, its logits at every position and greedy chat."""
 
-    def __init__(self, path: Path, context: int = 512, threads: int = 2):
+    def __init__(self, path: Path, context: int = 512, threads: int | None = None):
+        # As many threads as OMP_NUM_THREADS gives torch: llama.cpp's threads spin while they wait for each other,
+        # so more threads than free cores slow it down many times over.
+        threads = threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
         self.reader = reader = Reader.get()
         self.lib = lib = reader.lib
         reader.log.clear()
