@@ -373,11 +373,8 @@ def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str
 
 
 def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> Path:
-
-    base_pre = None
-    if source.base_gguf:
-        base_pre = read_gguf_strings(source.base_gguf, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
-    path = write_gguf(source.model, source.tokenizer, folder, dtype, name, source.license.get("license"), base_pre)
+    path = write_gguf(source.model, source.tokenizer, folder, dtype, name, source.license.get("license"),
+                      (source.run.config.get("tokenizer_name"), source.base_name))
     (folder / "Modelfile").write_text(ollama_modelfile(path.name, source.tokenizer), encoding="utf-8")
     return path
 
