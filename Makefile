@@ -31,20 +31,21 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 install: $(STAMP)
 
 # The suite on TEST_WORKERS pytest-xdist workers (one per core of a CI machine). Each test file runs whole on one
-# worker (--dist loadfile), so a module's fixtures (a server, a set of training runs) are built once. The 25 slowest
-# tests are listed at the end: what to look at when the suite grows too slow for CI.
+# worker (--dist loadfile), so a module's fixtures (a server, a set of training runs) are built once; the files go
+# out in the order tests/conftest.py sets (--no-loadscope-reorder): the long ones first. The 25 slowest tests are
+# listed at the end: what to look at when the suite grows too slow for CI.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	@mkdir -p $(TMPDIR)
 	bash scripts/ensure_chromium.sh
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --basetemp=$(TMPDIR)/pytest \
-		--durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --basetemp=$(TMPDIR)/pytest --durations=25 $(PYTEST_ARGS)
 
 # The unit tests alone: what no marker in pyproject.toml names (no end-to-end run, no 2-process launch, nothing slow).
 test-fast: $(STAMP)
 	@mkdir -p $(TMPDIR)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --basetemp=$(TMPDIR)/pytest-fast \
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --basetemp=$(TMPDIR)/pytest-fast \
 		-m "not integration and not distributed and not slow" $(PYTEST_ARGS)
 
 # The XLA tests need torch 2.9.0 + torch_xla 2.9.0 in a venv of their own (.venv-xla): accelerate switches itself to

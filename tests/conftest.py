@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny GPT-J and a byte-level BPE tokenizer, built once per test run (one worker builds, the
 others reuse: support/shared.py) and loaded by path, exactly as a user's local model folder would be. Everything
-stays offline and inside the repo's .cache/. Helpers that are not fixtures live in tests/support/."""
+stays offline and inside the repo's .cache/. Helpers that are not fixtures live in tests/support/.
+
+The order files reach pytest-xdist's workers is set here too (pytest_collection_modifyitems)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,24 @@ from support.files import dolly_texts  # noqa: E402
 from support.models import (CHAT_TEMPLATE, LLAMA2_CHAT_TEMPLATE, SMOLLM2_GGUF, build_tiny_gptj,  # noqa: E402
                             smollm2_folder)
 from support.shared import built_once, shared_fixture_folder  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist: files whose tests launch 2 processes first, then the other files with a slow or end-to-end
+    test, then the unit tests, each file's tests together and in their order. `make test` (--dist loadfile
+    --no-loadscope-reorder) hands whole files to the workers in this order, so the long files start early and the
+    short ones come last, where they fill in until both workers finish together."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker: the order as collected
+        return
+
+    def weight(item: pytest.Item) -> int:
+        return 2 * bool(item.get_closest_marker("distributed")) + bool(
+            item.get_closest_marker("slow") or item.get_closest_marker("integration"))
+
+    heaviest: dict[Path, int] = {}
+    for item in items:
+        heaviest[item.path] = max(heaviest.get(item.path, 0), weight(item))
+    items.sort(key=lambda item: -heaviest[item.path])  # a stable sort: each file's tests keep their order
 
 
 @pytest.fixture(scope="session")
