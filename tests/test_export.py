@@ -376,6 +376,61 @@ def test_existing_output_is_not_overwritten(tiny_llama_dir, tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
+def folder_state(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_a_folder_named_like_the_partial_export_is_never_touched(tiny_llama_dir, tmp_path):
+    """export deleted OUT.partial/ (the user's, or another export's in progress) before writing its own."""
+    (tmp_path / "out.partial").mkdir()
+    (tmp_path / "out.partial" / "notes.txt").write_text("the user's")
+    export(str(tiny_llama_dir), str(tmp_path / "out"), "hf", "f32")
+    assert (tmp_path / "out.partial" / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.partial"]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_two_exports_to_one_target_leave_the_first_finished_whole(tiny_llama_dir, tmp_path, monkeypatch):
+    """A second export that finishes while the first is writing: the first then stops with one line and removes
+    only its own folder; the second's export stays whole."""
+    import gpt4all_training.export.hf as hf
+
+    out = tmp_path / "out"
+    write_hf = hf.write_hf
+
+    def another_export_finishes_first(source, folder, dtype, max_shard_size):
+        monkeypatch.setattr(hf, "write_hf", write_hf)
+        export(str(tiny_llama_dir), str(out), "hf", "bf16")
+        write_hf(source, folder, dtype, max_shard_size)
+
+    monkeypatch.setattr(hf, "write_hf", another_export_finishes_first)
+    with pytest.raises(UserError) as refused:
+        export(str(tiny_llama_dir), str(out), "hf", "f32")
+    assert str(refused.value) == (f"--to {out}: another export finished there while this one ran; its files are "
+                                  f"kept. Choose a new folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_an_export_on_a_full_disk_is_one_line_and_leaves_nothing(tiny_llama_dir, tmp_path, capsys):
+    import resource
+
+    from hardening.entry_points import clean_failure
+
+    (tmp_path / "kept.txt").write_text("the user's")
+    before = folder_state(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # the weights are larger: their write fails
+    try:
+        line = clean_failure(capsys, ["export", "--from", str(tiny_llama_dir), "--to", str(tmp_path / "out"),
+                                      "--format", "hf"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert line.startswith(f"error: --to {tmp_path / 'out'}: could not write the export (") and \
+        line.endswith("); nothing was left behind. Free disk space, then run again")
+    assert folder_state(tmp_path) == before
+
+
 # ---------------------------------------------------------------- DeepSpeed ZeRO checkpoints
 
 ZERO_SCRIPT = textwrap.dedent("""

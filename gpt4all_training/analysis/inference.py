@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -48,10 +47,13 @@ from gpt4all_training.data.batching import collate
 from gpt4all_training.data.chat import with_conversation_text
 from gpt4all_training.data.prompts import resolve_template
 from gpt4all_training.data.records import load_records
-from gpt4all_training.data.sft import effective_num_proc, finish_split, split_records, tokenize_dataset
+from gpt4all_training.data.sft import (effective_num_proc, finish_split, refuse_unrendered, split_records,
+                                       tokenize_dataset)
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import atomic_file, atomic_write, make_own_folder, remove_own_folder
 from gpt4all_training.model.loading import check_positions, load_model, model_config, tokenizer_for
 from gpt4all_training.model.trained import training_run_config
+from gpt4all_training.paths import require_dataset
 from gpt4all_training.training.loop import require_writable
 from gpt4all_training.training.loss import nll_sum
 
@@ -126,10 +128,13 @@ def load_examples(config: InferenceConfig, tokenizer) -> Examples:
         raise UserError(f"dataset_path {config.dataset_path}: no records")
     template = resolve_template(config.prompt_template, tokenizer)
     num_proc = effective_num_proc(config, len(records))
+    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns,
+                                         config.train_reasoning)
+                        for raw in split_records(records, config.val_fraction, config.seed)]
+    refuse_unrendered(tokenized_splits, config.dataset_path)  # as training does: never scored as empty answers
     kept = []
-    for name, raw in zip(SPLITS, split_records(records, config.val_fraction, config.seed)):
-        split, stats = finish_split(tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc,
-                                                     config.train_turns))
+    for name, tokenized in zip(SPLITS, tokenized_splits):
+        split, stats = finish_split(tokenized)
         dropped = ", ".join(f"{k} {v}" for k, v in stats.dropped.items()) or "none"
         print(f"{name}: {len(split)} examples to score (dropped: {dropped})", flush=True)
         kept.append(split)
@@ -231,9 +236,8 @@ def merge_shards(examples: Examples, output_dir: Path, world_size: int) -> Path:
     # The records' datasets metadata describes fewer columns than the table now has; drop it.
     table = table.replace_schema_metadata(None)
     path = output_dir / RESULT_FILE
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        pq.write_table(table, tmp)
     shutil.rmtree(output_dir / "shards")
     return path
 
@@ -262,6 +266,8 @@ def check_training_split(config: InferenceConfig) -> None:
         return
     file, run = found
     differ = [key for key in SPLIT_KEYS if key in run and run[key] != getattr(config, key)]
+    if differ == ["seed"] and run.get("val_fraction") == config.val_fraction == 0:
+        return  # nothing is held out, so the seed splits nothing: every example is a training one either way
     if differ:
         raise UserError(f"model_name {config.model_name}: its training run split the data with "
                         f"{', '.join(f'{k}={run[k]}' for k in differ)} (see {file}), but this config has "
@@ -284,13 +290,15 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         check_training_split(config)
         output_dir = Path(config.output_dir)
         require_writable(output_dir)
+        require_dataset(config.dataset_path)
         tokenizer = tokenizer_for(config)
         check_positions(model_config(config.model_name, config.model_revision, config.gguf_file,
                                      config.trust_remote_code), config.max_length)  # before tokenising
         # The main process fills the datasets cache alone; the others then read it instead of racing to write it.
         with backend.main_process_first():
             if backend.is_main_process:
-                shutil.rmtree(output_dir / "shards", ignore_errors=True)  # left by a crashed run
+                remove_own_folder(output_dir / "shards", "output_dir")  # left by a crashed run
+                make_own_folder(output_dir / "shards")
                 output_dir.mkdir(parents=True, exist_ok=True)
             examples = load_examples(config, tokenizer)
         model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
@@ -326,7 +334,7 @@ def write_summary(config: InferenceConfig, world_size: int, path: Path, elapsed:
     summary = {"config": redact(dataclasses.asdict(config)), "world_size": world_size,
                "examples": table.num_rows, "seconds": round(elapsed, 3), "examples_per_second": round(rate, 2),
                "splits": split_summary(table)}
-    (path.parent / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    atomic_write(path.parent / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     for name, stats in summary["splits"].items():
         print(f"{name}: {stats['examples']} examples, mean example loss {stats['mean_example_loss']:.4f}, "
               f"token-weighted loss {stats['token_weighted_loss']:.4f}")

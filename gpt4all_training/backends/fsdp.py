@@ -20,7 +20,6 @@ processes, places them on devices and autocasts.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import warnings
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 
 from gpt4all_training.backends.backend import Backend, rebuilt_copy
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import load_tensors, save_tensors
 
 WRAP_POLICY = "TRANSFORMER_BASED_WRAP"
 
@@ -104,14 +104,6 @@ def sharded_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         return local
     return DTensor.from_local(local.to(local_part(param).device), param.device_mesh, param.placements,
                               run_check=False, shape=param.shape, stride=param.stride())
-
-
-def write_tensors(value: Any, path: Path) -> None:
-    """torch.save through a buffer: a failed write (a full disk) raises OSError, which the checkpoint reports."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    with open(path, "wb") as f:
-        f.write(buffer.getbuffer())
 
 
 class FsdpBackend(Backend):
@@ -206,7 +198,7 @@ class FsdpBackend(Backend):
         frozen base is the base model on disk, so only what training changes is stored."""
         folder.mkdir(exist_ok=True)
         trainable = {name: local_copy(p) for name, p in model.named_parameters() if p.requires_grad}
-        write_tensors({"model": trainable, "optimizer": local_copy(optimizer.state_dict())},
+        save_tensors({"model": trainable, "optimizer": local_copy(optimizer.state_dict())},
                       folder / f"rank{self.rank}.pt")
 
     def load_engine_state(self, model, optimizer, folder: Path) -> None:
@@ -215,7 +207,7 @@ class FsdpBackend(Backend):
         if written != self.world_size:
             raise UserError(f"checkpoint {folder.parent}: written by {written} processes and this run has "
                             f"{self.world_size}; resume FSDP2 with the same number of processes")
-        saved = torch.load(folder / f"rank{self.rank}.pt", weights_only=True, map_location="cpu")
+        saved = load_tensors(folder / f"rank{self.rank}.pt", map_location="cpu")
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, local in saved["model"].items():

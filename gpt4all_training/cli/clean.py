@@ -4,7 +4,6 @@ and prompt/chosen/rejected/source preference pairs, with a report per file."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from gpt4all_training.data.clean import OASST_MODES, Filters, clean
 from gpt4all_training.data.raw_files import SUFFIXES, read_units
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import writable_folder
 
 # What clean.py reads, for the error when it keeps nothing (data/clean.py's docstring has the details).
 FORMATS = ("gpt4all records (prompt, response), Dolly (instruction, context, response), OpenAI messages, ShareGPT "
@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    writable_folder("--output-dir", args.output_dir)  # before any input is read
     filters = Filters(args.drop_ai_disclaimers, args.drop_refusals, args.min_response_chars)
     report = clean(args.inputs, args.output_dir, filters, args.oasst, args.oasst_preferences)
     print_report(report)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import textwrap
 import typing
 
@@ -28,6 +29,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, config_help
     parser.epilog = config_keys_help(cls)
 
 
+@functools.cache  # the same text for a class; tests that run many commands in one process build it once
 def config_keys_help(cls: type) -> str:
     """Every key of the config `cls`, grouped by block: `key: default  [choices]`, then its doc, indented."""
     hints = typing.get_type_hints(cls)

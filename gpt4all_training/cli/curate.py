@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gpt4all_training.analysis.curation.curate import REPORT_FILE, CurateOptions, curate
 from gpt4all_training.analysis.curation.embeddings import EMBEDDERS
+from gpt4all_training.files import writable_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    writable_folder("--output", args.output)  # before the embeddings and the rules
     options = CurateOptions(args.near_duplicates, args.embedder, args.loss_above, args.loss_below, args.include_ids,
                             args.exclude_ids, args.name, args.seed)
     report = curate(args.input, args.output, options)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from gpt4all_training.errors import UserError
+from gpt4all_training.errors import UserError, write_failure
 from gpt4all_training.evaluation.harness import EvalSettings, evaluate
-from gpt4all_training.evaluation.results import comparison_table, read_results, results_table, write_results
+from gpt4all_training.evaluation.results import (RESULTS_FILE, comparison_table, read_results, results_table,
+                                                 write_results)
+from gpt4all_training.files import writable_folder
 from gpt4all_training.model.trained import DTYPES
 
 
@@ -40,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num-fewshot: must be >= 0, got {args.num_fewshot}")
     before = read_results(args.compare) if args.compare else None  # a wrong path fails before the long part
+    if args.output:
+        writable_folder("--output", args.output)  # so is an output that cannot be written
     settings = EvalSettings(tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
                             include_paths=tuple(args.include_path), limit=args.limit, num_fewshot=args.num_fewshot,
                             batch_size=args.batch_size, dtype=args.dtype, device=args.device, seed=args.seed,
@@ -47,7 +51,12 @@ def run(args: argparse.Namespace) -> int:
     results = evaluate(args.model, settings)
     print(results_table(results))
     if args.output:
-        print(f"results: {write_results(results, args.output)}")
+        try:
+            print(f"results: {write_results(results, args.output)}")
+        except OSError as exc:  # a full disk: the scores are printed above; no half file is left
+            reason, advice = write_failure(exc, "--output")
+            raise UserError(f"--output {args.output}: could not write {RESULTS_FILE} ({reason}); the scores are "
+                            f"printed above. {advice.capitalize()}, then run again") from None
     if before is not None:
         print(f"\ncompared with {args.compare}:")
         print(comparison_table(before, results))

@@ -1,7 +1,8 @@
 """The `gpt4all-training` command: one subcommand per stage. Argument parsing only; the work is in the modules.
 
 A `UserError` anywhere below becomes one line on stderr and exit code 2, a `TrainingError` one line and exit
-code 1; neither prints a traceback. A command whose models and data are all local runs offline (cli/offline.py).
+code 1; neither prints a traceback. Everything printed passes `config.secrets.scrub` (credentials show as ***). A
+command whose models and data are all local runs offline (cli/offline.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import os
 import sys
 
 from gpt4all_training.cli.offline import announce, go_offline_if_local
-from gpt4all_training.config.secrets import scrub
-from gpt4all_training.errors import TrainingError, UserError
+from gpt4all_training.config.secrets import scrubbed_output
+from gpt4all_training.errors import TrainingError, UserError, file_system_refusal
 
 # subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -51,14 +52,21 @@ def report_error(exc: Exception) -> None:
     if "tqdm" in sys.modules:
         for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", [])):
             bar.close()
-    print(f"error: {scrub(str(exc))}", file=sys.stderr)
+    print(f"error: {exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    announce(go_offline_if_local(argv))  # before the subcommand's module imports transformers and datasets
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    with scrubbed_output():  # every line printed or logged from here on, ours or a library's, hides secrets
+        code = run_command(argv)
+    sys.exit(code)
+
+
+def run_command(argv: list[str]) -> int:
+    """The subcommand's exit code, with a UserError, TrainingError or file system refusal as its one line."""
     try:
+        announce(go_offline_if_local(argv))  # before the subcommand's module imports transformers and datasets
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
         code = importlib.import_module(args.module).run(args)
     except UserError as exc:
         report_error(exc)
@@ -73,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         # The reader (e.g. `| head`) went away; keep Python from complaining while it flushes stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
-    sys.exit(code)
+    except OSError as exc:  # a full disk or a refused file that no stage reported itself: one line, not a traceback
+        refusal = file_system_refusal(exc)
+        if refusal is None:
+            raise
+        report_error(refusal)
+        code = 2
+    return code
 
 
 def run_as_script(command: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 import torch
@@ -57,6 +58,25 @@ def api_key(variable: str | None, host: str) -> str | None:
     return key
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind host:port as uvicorn will, and let it go: a port in use (or an address not of this machine) is one line
+    before the minutes of loading the model, not after."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port}: must be between 0 and 65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host}: not an address this machine can serve on ({exc.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise UserError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); stop what uses it or "
+                            f"choose another --port") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -69,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                              max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                              max_queue=args.max_queue, api_key=api_key(args.api_key_env, args.host),
                              log_prompts=args.log_prompts)
+    check_address(args.host, args.port)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = open_model(args.model, DTYPES[args.dtype], device)
     engine = Engine(model, tokenizer, eos_ids(model, tokenizer), settings.max_batch_size, settings.max_queue)

@@ -9,6 +9,7 @@ from gpt4all_training.cli.config_options import add_config_arguments
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TokenizerConfig
 from gpt4all_training.data.bpe import build_tokenizer, save_tokenizer
+from gpt4all_training.files import writable_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides, cls=TokenizerConfig)
+    writable_folder("output_dir", config.output_dir)  # before the records are read and the merges learned
     tokenizer, stats = build_tokenizer(config)
     output_dir = Path(config.output_dir)
     save_tokenizer(tokenizer, stats, output_dir)

@@ -5,9 +5,9 @@ A block is a dataclass of the fields of one concern (where the model comes from,
 and the constructor see one plain dataclass, and an editor or type checker sees every field of every block.
 Inheritance is used only to collect fields and checks; no block calls another.
 
-`validate` runs, in order: the required keys, the `Literal` choices, then each block's `checks` (the block's own
-ranges), ending with the config's own checks (how its blocks combine). The first failure is one `UserError` line,
-`{key}: {message}, got {value}`.
+`validate` runs, in order: the required keys, every field's type (`fields.typed`: the choices, finite floats, one
+value where one is taken), then each block's `checks` (the block's own ranges), ending with the config's own checks
+(how its blocks combine). The first failure is one `UserError` line, `{key}: {message}, got {value}`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional
 
-from gpt4all_training.config.fields import choice_error, doc, shown
+from gpt4all_training.config.fields import doc, shown, typed
 from gpt4all_training.errors import UserError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -76,19 +76,14 @@ def declared_checks(config: Block) -> list[Check]:
 
 
 def validate(config: Block) -> Block:
-    """Required keys, choices and ranges, as one UserError line naming the key. Returns the config."""
+    """Required keys, every field's type and the ranges, as one UserError line naming the key. Returns the config,
+    its values typed (a config built in Python is checked as a loaded one is)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        setattr(config, f.name, typed(f.name, getattr(config, f.name), hints[f.name], f.metadata))
     for key in config.required_keys():
         if not getattr(config, key):
             raise UserError(f"{key}: missing; set it in the config or on the command line as {key}=...")
-    hints = typing.get_type_hints(type(config))
-    for f in dataclasses.fields(config):
-        error = choice_error(f.name, getattr(config, f.name), hints[f.name], f.metadata)
-        if error is not None:
-            raise error
-        value = getattr(config, f.name)
-        # inf and nan pass every range check written as a comparison that inf satisfies (weight_decay >= 0).
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"{f.name}: must be a finite number, got {shown(value)}")
     for check in declared_checks(config):
         if not check.ok:
             got = f", got {shown(getattr(config, check.key))}" if check.got else ""
@@ -150,6 +145,9 @@ class Examples(Block):
     train_turns: Literal["all", "last"] = doc("Conversations (records with messages): train every assistant turn "
                                               "('all') or only the last one ('last'). A message with \"train\": "
                                               "false is never trained.", "all", allowed="'all' or 'last'")
+    train_reasoning: bool = doc("Conversations with reasoning (an assistant turn's reasoning_content, or the <think> "
+                                "block its content opens with): train it as the chat template writes it (true), or "
+                                "keep it as context and train the answer only (false).", True)
 
     def checks(self) -> list[Check]:
         return [

@@ -1,19 +1,25 @@
-"""What one config field is: its documentation, its default, and, for a choice, the values it allows.
+"""What one config field is: its documentation, its default, its type, and the one check of a value against it.
 
-A choice is a `Literal[...]` type (or a list of them, or either made Optional); `choice_error` is the one check of
-such a value and words the one error line, `{key}: must be {allowed}, got {value}`. `allowed` reads
-"one of a, b, c" unless the field words it itself (`doc(..., allowed=...)`), as a few do to add a hint.
+`typed(key, value, tp, metadata)` is the only place a config value's type is checked, for every field of every
+config: the loader calls it on each value a YAML file or a `key=value` override gives, and `blocks.validate` on
+every field of a config however it was built. Each mistake is one line, `{key}: {what it takes}, got {value}`.
+
+A choice is a `Literal[...]` type (or a list of them, or either made Optional). Its error line reads
+`{key}: must be {allowed}, got {value}`, where `allowed` is "one of a, b, c" unless the field words it itself
+(`doc(..., allowed=...)`), as a few do to add a hint. A single choice takes one value: a list holding an allowed
+value (`lr_schedule=[gpt3]`) is refused, never read as its first entry or ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import reprlib
+import math
+import os
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, Mapping, Optional
 
-from gpt4all_training.errors import UserError
+from gpt4all_training.errors import UserError, shown
 
 
 def doc(text: str, default: Any = None, *, factory: Any = None, required: bool = False,
@@ -50,22 +56,97 @@ def choices(tp: Any) -> tuple[str, ...] | None:
     return typing.get_args(base) if typing.get_origin(base) is Literal else None
 
 
-def choice_error(key: str, value: Any, tp: Any, metadata: typing.Mapping[str, Any]) -> UserError | None:
-    """The error line for a choice field whose value (or list entry) is not allowed; None when it is."""
+def choice_error(key: str, value: Any, tp: Any, metadata: Mapping[str, Any]) -> UserError | None:
+    """The error line for a choice field whose value (or list entry) is not allowed; None when it is. A field that
+    takes one choice refuses a list, even of allowed values."""
     allowed_values = choices(tp)
     if allowed_values is None or value is None:
         return None
-    for entry in value if isinstance(value, list) else [value]:
+    allowed = metadata.get("allowed") or f"one of {', '.join(allowed_values)}"
+    takes_list = typing.get_origin(unwrap_optional(tp)[0]) is list
+    if not takes_list and not isinstance(value, str):
+        one = "takes one value, not a list; " if isinstance(value, (list, tuple, set, dict)) else ""
+        return UserError(f"{key}: {one}must be {allowed}, got {shown(value)}")
+    for entry in value if takes_list and isinstance(value, list) else [value]:
         if not isinstance(entry, str) or entry not in allowed_values:
-            allowed = metadata.get("allowed") or f"one of {', '.join(allowed_values)}"
             return UserError(f"{key}: must be {allowed}, got {shown(entry)}")
     return None
 
 
-def shown(value: Any) -> str:
-    """`value` for an error line: repr, cut short (a YAML alias can make a list of millions from a few lines)."""
-    short = reprlib.Repr()
-    short.maxstring = short.maxother = 160
-    short.maxlist = short.maxdict = 4
-    short.maxlevel = 2
-    return short.repr(value)
+def typed(key: str, value: Any, tp: Any, metadata: Optional[Mapping[str, Any]] = None) -> Any:
+    """`value` checked against the field type `tp`, converted where YAML is ambiguous (`5e-5` is a string in YAML
+    1.1) or a Python caller passed a near relative (a Path for a string, a tuple for a list); a UserError line
+    naming `key` and what it takes otherwise. `metadata` is the field's (a choice's wording of its allowed values).
+    """
+    base, optional = unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{key}: must not be empty (expected {type_name(base)})")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{key}: expected true or false, got {shown(value)}")
+    if base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        # YAML 1.1 reads `1e3` as a string and `1000.0` as a float; both are fine as long as they are whole.
+        number = as_number(value)
+        if number is not None and number.is_integer():
+            return int(number)
+        raise UserError(f"{key}: expected an integer, got {shown(value)}")
+    if base is float:
+        number = as_number(value)
+        if number is None:
+            raise UserError(f"{key}: expected a number, got {shown(value)}")
+        # inf and nan pass every range check written as a comparison that inf satisfies (weight_decay >= 0).
+        if not math.isfinite(number):
+            raise UserError(f"{key}: must be a finite number, got {shown(number)}")
+        return number
+    if base is str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"{key}: expected a string, got {shown(value)}")
+    if typing.get_origin(base) is Literal:
+        error = choice_error(key, value, tp, metadata or {})
+        if error is not None:
+            raise error
+        return value
+    if base is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise UserError(f"{key}: expected a mapping of name: value, got {shown(value)}")
+        return dict(value)
+    if typing.get_origin(base) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"{key}: expected a list of strings, got {shown(value)}")
+        error = choice_error(key, list(value), tp, metadata or {})
+        if error is not None:
+            raise error
+        return list(value)
+    raise TypeError(f"unsupported config type for {key}: {tp}")  # a bug in the dataclass, not user input
+
+
+def as_number(value: Any) -> float | None:
+    """`value` as a float when it is a number or a numeric string (`5e-5` is a string in YAML 1.1), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an int past float's range is no config value either
+            return None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def type_name(tp: Any) -> str:
+    allowed = choices(tp)
+    return f"one of {', '.join(allowed)}" if allowed else getattr(tp, "__name__", str(tp))

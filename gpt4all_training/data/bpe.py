@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 from gpt4all_training.config.schemas import EOS, HELDOUT_STRIDE, TokenizerConfig
 from gpt4all_training.data.records import iter_texts
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import atomic_write
 
 # A line's leading run of spaces and tabs (after a newline): isolated before the byte-level split.
 INDENTATION = Regex(r"(?<=\n)[ \t]+")
@@ -163,4 +164,4 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, stats: Optional[Tokenizer
     """`save_pretrained` into `output_dir`, with the statistics (when there are any) as tokenizer_stats.json."""
     tokenizer.save_pretrained(output_dir)
     if stats is not None:
-        (output_dir / "tokenizer_stats.json").write_text(json.dumps(asdict(stats), indent=1), encoding="utf-8")
+        atomic_write(output_dir / "tokenizer_stats.json", json.dumps(asdict(stats), indent=1))

@@ -13,10 +13,10 @@ An entry's key is the SHA-256 of everything that decides the tokens:
 Any change gives another key: a miss, and a new entry.
 
 An entry is the folder `<cache_dir>/<key>/`: the kept train and validation splits (`Dataset.save_to_disk`), their
-statistics (`stats.json`) and, written last, a `COMPLETE` marker that lists every file's SHA-256. It is written as
-`<key>.tmp-<pid>/` and renamed, so a crash never leaves an entry that looks whole; an entry without its marker or
-with a file that no longer matches it is reported, deleted and rebuilt. Each start prints one line with
-`cache hit` or `cache miss`.
+statistics (`stats.json`) and, written last, a `COMPLETE` marker that lists every file's SHA-256 (`files.py`). It is
+written as `<key>.partial-<random>/` and renamed, so a crash never leaves an entry that looks whole; an entry
+without its marker or with a file that no longer matches it is reported, deleted and rebuilt. Each start prints one
+line with `cache hit` or `cache miss`.
 
 An entry may also hold arrays computed from its splits by a model (dpo's precomputed reference log-probabilities),
 each set in a folder of its own inside the entry, named by what else decides them, written and checked the same way
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -37,20 +36,12 @@ import numpy as np
 
 from gpt4all_training.config.blocks import Examples, PromptFormat
 from gpt4all_training.data.sft import DataStats
+from gpt4all_training.files import marker_problem, new_folder
 
-MARKER = "COMPLETE"
 SPLITS = ("train", "validation")
 # Examples fields that do not change what tokenization produces.
 NOT_DECIDING = frozenset({"num_proc"})
 PROBE = ["Hello world\n", " a b", "<|endoftext|><|im_start|>"]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -100,20 +91,7 @@ def cache_root(config) -> Path:
 
 def entry_problem(entry: Path) -> str | None:
     """None when `entry` is a complete, intact entry; otherwise why not."""
-    marker = entry / MARKER
-    if not marker.is_file():
-        return "incomplete (no COMPLETE marker)"
-    try:
-        files = json.loads(marker.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return "its COMPLETE marker is unreadable"
-    for name, digest in files.items():
-        path = entry / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if sha256_file(path) != digest:
-            return f"{name} does not match its checksum"
-    return None
+    return marker_problem(entry)
 
 
 def load_entry(entry: Path):
@@ -138,18 +116,10 @@ def write_entry(entry: Path, splits, stats) -> None:
 
 
 def write_complete(folder: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` into a folder beside `folder`, then the COMPLETE marker listing every file's SHA-256, then the
-    rename to `folder`."""
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    """`write(tmp)` into a folder of its own beside `folder`, then the COMPLETE marker listing every file's SHA-256,
+    then the rename to `folder` (which fails, leaving the entry another process wrote first)."""
+    with new_folder(folder) as tmp:
         write(tmp)
-        files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        (tmp / MARKER).write_text(json.dumps(files, indent=1), encoding="utf-8")
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_arrays(folder: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -176,7 +146,7 @@ def cached_splits(config, tokenizer, records_digest: str, build: Callable[[], tu
         if problem is None:
             log(f"tokenized data: cache hit ({entry})")
             return load_entry(entry)
-        reason = f"the entry was {problem}; rebuilt"
+        reason = f"the entry was unusable ({problem}); rebuilt"
         shutil.rmtree(entry, ignore_errors=True)
     else:
         reason = "nothing cached for this data, tokenizer and settings"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
+from gpt4all_training.config.secrets import redact
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import atomic_write
+from gpt4all_training.readers import read_json
 
 RESULTS_FILE = "results.json"
 # Entries of a task's results that are not scores.
@@ -26,14 +28,11 @@ def jsonable(value: Any) -> Any:
 
 
 def write_results(results: dict[str, Any], folder: str | Path) -> Path:
-    """folder/results.json, replaced atomically."""
+    """folder/results.json, replaced atomically; the paths and settings in it with their secrets hidden."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / RESULTS_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=jsonable, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(folder / RESULTS_FILE, json.dumps(redact(results), indent=2, default=jsonable,
+                                                          ensure_ascii=False) + "\n")
 
 
 def read_results(path: str | Path, key: str = "--compare") -> dict[str, Any]:
@@ -42,10 +41,7 @@ def read_results(path: str | Path, key: str = "--compare") -> dict[str, Any]:
         file = file / RESULTS_FILE
     if not file.is_file():
         raise UserError(f"{key}: {file} does not exist")
-    try:
-        results = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{key}: {file} is not valid JSON ({exc})") from None
+    results = read_json(file, key)
     if not isinstance(results, dict) or not isinstance(results.get("results"), dict):
         raise UserError(f"{key}: {file} has no 'results'; give a results.json written by `eval`")
     return results

@@ -15,21 +15,25 @@ Both formats carry the chat template and its end-of-turn token (export/template.
 
 from __future__ import annotations
 
-import json
+import errno
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import yaml
+from safetensors import SafetensorError
 
-from gpt4all_training.errors import UserError
+from gpt4all_training.config.secrets import scrub
+from gpt4all_training.errors import UserError, write_failure
 from gpt4all_training.export.gguf import TYPES, check_architecture, read_gguf_strings, write_gguf
 from gpt4all_training.export.template import (add_template_to_tokenizer_config, ollama_modelfile, sampling_card,
                                               stop_token_ids)
+from gpt4all_training.files import new_folder, writable_folder
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
+from gpt4all_training.model.names import portable_name, resolved_name
+from gpt4all_training.readers import parse_yaml, read_json, read_model_config, read_text, read_yaml
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.checkpoint import MARKER, check_deepspeed_files, verify
 
@@ -95,12 +99,18 @@ def read_run_info(source: Path) -> RunInfo:
         folders.append(run_dir)
     info = RunInfo()
     if config_path := _first(folders, "config.yaml"):
-        info.config = yaml.safe_load(config_path.read_text()) or {}
+        info.config = run_mapping(read_yaml(config_path, "--from") or {}, config_path)
     if state_path := _first(folders, "state.json"):
-        info.state = json.loads(state_path.read_text())
+        info.state = run_mapping(read_json(state_path, "--from"), state_path)
     if metrics_path := _first(folders, "metrics.jsonl"):
         info.losses, info.last_logged_step = final_losses(metrics_path)
     return info
+
+
+def run_mapping(value: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UserError(f"--from {path}: expected a mapping of key: value, as a training run writes it")
+    return value
 
 
 def _first(folders: list[Path], name: str) -> Path | None:
@@ -133,7 +143,7 @@ def find_zero_checkpoint(folder: Path) -> tuple[Path, str] | None:
         return None
     if len(tags) > 1:
         latest = tags[0].parent / "latest"
-        chosen = [tag for tag in tags if latest.is_file() and tag.name == latest.read_text().strip()]
+        chosen = [tag for tag in tags if latest.is_file() and tag.name == read_text(latest, "--from").strip()]
         if len(chosen) != 1:
             raise UserError(f"--from {folder}: several DeepSpeed checkpoints ({', '.join(t.name for t in tags)}); "
                             f"point --from at one step folder")
@@ -175,9 +185,7 @@ def default_base(model_dir: Path, run_config: dict[str, Any]) -> str | None:
     """The base the run fine-tuned: as the adapter recorded it, else the run config's model_name."""
 
     if is_adapter_folder(str(model_dir)):
-        if not (name := adapter_base(str(model_dir))):
-            raise UserError(f"{model_dir / 'adapter_config.json'}: names no base model; pass --base")
-        return resolve_base(name, run_config)
+        return resolve_base(adapter_base(str(model_dir)), run_config)
     name = run_base(run_config)
     return resolve_base(name, run_config) if name else None
 
@@ -239,9 +247,11 @@ def base_license(base_name: str | None) -> dict[str, str]:
         return {keys[key]: value for key, value in read_gguf_strings(path, tuple(keys)).items()}
     card = path / "README.md"
     if card.is_file():
-        front = card.read_text(encoding="utf-8").split("---")
+        front = read_text(card, "base model card").split("---")
         if len(front) >= 3 and not front[0].strip():
-            meta = yaml.safe_load(front[1]) or {}
+            meta = parse_yaml(front[1], f"base model card {card}") or {}
+            if not isinstance(meta, dict):
+                return {}
             return {key: str(meta[key]) for key in ("license", "license_name", "license_link") if meta.get(key)}
     return {}
 
@@ -249,7 +259,7 @@ def base_license(base_name: str | None) -> dict[str, str]:
 def load_source(source: str, base: str | None = None) -> ExportSource:
     """Everything the writers need: an fp32 model with LoRA merged, its tokenizer and what the run recorded."""
 
-    path = Path(source)
+    path = Path(resolved_name(source))  # a packaged model's short name (smollm2) is its file
     if not path.exists():
         raise UserError(f"--from {source}: not found")
     if (path / MARKER).is_file() and (problem := verify(path)):  # a checkpoint or final/ that lists its files
@@ -289,11 +299,16 @@ def local_config(source: Path, base: str | None):
 
     model_dir = source / "model" if (source / "model").is_dir() else source
     candidates = [base, str(model_dir)]
-    if is_adapter_folder(str(model_dir)):
+    if base is None and is_adapter_folder(str(model_dir)):
         candidates.append(adapter_base(str(model_dir)))
     for candidate in candidates:
         if candidate and (Path(candidate) / "config.json").is_file():
-            return AutoConfig.from_pretrained(candidate)
+            read_model_config(candidate, "--from")  # JSON, an object, no code of its own: or one line
+            try:
+                return AutoConfig.from_pretrained(candidate)
+            except (ValueError, KeyError) as exc:  # a model_type transformers does not know
+                raise UserError(f"--from {Path(candidate) / 'config.json'}: transformers cannot read it "
+                                f"({(str(exc).splitlines() or [type(exc).__name__])[0][:160]})") from None
     return None
 
 
@@ -325,7 +340,7 @@ def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
     front["tags"] = ["gpt4all-training", "gguf" if fmt == "gguf" else "safetensors"]
     config = source.run.config
     rows = [
-        ("Base model", source.base_name or "unknown"),
+        ("Base model", portable_name(source.base_name) if source.base_name else "unknown"),
         ("Training data", config.get("dataset_path", "unknown")
          + (f" (revision {config['revision']})" if config.get("revision") else "")),
         ("Training steps", source.run.steps if source.run.steps is not None else "unknown"),
@@ -358,32 +373,35 @@ def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str
 
 
 def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> Path:
-
-    base_pre = None
-    if source.base_gguf:
-        base_pre = read_gguf_strings(source.base_gguf, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
-    path = write_gguf(source.model, source.tokenizer, folder, dtype, name, source.license.get("license"), base_pre)
+    path = write_gguf(source.model, source.tokenizer, folder, dtype, name, source.license.get("license"),
+                      (source.run.config.get("tokenizer_name"), source.base_name))
     (folder / "Modelfile").write_text(ollama_modelfile(path.name, source.tokenizer), encoding="utf-8")
     return path
 
 
 def check_output_folder(out: Path) -> None:
+    """Before the slow load: `--to` names a folder that does not exist or is empty, and it and the folder it is
+    built beside can be written."""
     if out.suffix == ".gguf":
         raise UserError(f"--to {out}: give a folder; the .gguf file and README.md are written inside it")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--to {out}: already exists and is not empty; choose a new folder")
+    writable_folder("--to", out, new=True)
 
 
 def write_folder_atomically(out: Path, fill: Callable[[Path], None]) -> None:
-    """Build the export in OUT.partial and rename it into place, so a crash never leaves a half export at OUT."""
+    """Build the export in a folder of its own beside OUT (`OUT.partial-<random>`) and rename it into place, so a
+    crash never leaves a half export at OUT, and two exports to one OUT never touch each other's files. A failed
+    write (a full disk, a read-only target) removes what this export wrote and nothing else, in one line."""
     check_output_folder(out)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    fill(partial)
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
+    try:
+        with new_folder(out, marker=False) as partial:
+            fill(partial)
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
+        if getattr(exc, "errno", None) in (errno.ENOTEMPTY, errno.EEXIST):
+            raise UserError(f"--to {out}: another export finished there while this one ran; its files are kept. "
+                            f"Choose a new folder") from None
+        reason, advice = write_failure(exc, "--to")
+        raise UserError(f"--to {out}: could not write the export ({reason}); nothing was left behind. "
+                        f"{advice.capitalize()}, then run again") from None
 
 
 def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str | None = None,
@@ -396,10 +414,9 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
         raise UserError(f"--dtype {dtype}: --format gguf takes one of {', '.join(TYPES)}")
     out = Path(to)
     check_output_folder(out)  # before the slow load
-    if fmt == "gguf":
-
-        if (config := local_config(Path(source), base)) is not None:
-            check_architecture(config, dtype)  # refuse before loading weights
+    config = local_config(Path(resolved_name(source)), base)  # a broken or foreign config.json: one line, before the slow load
+    if fmt == "gguf" and config is not None:
+        check_architecture(config, dtype)  # refuse before loading weights
     loaded = load_source(source, base)
     if fmt == "gguf":
         check_architecture(loaded.model.config, dtype)
@@ -412,7 +429,7 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
             path = write_gguf_file(loaded, folder, dtype, out.name)
             pre = read_gguf_strings(path, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
             card += "\n".join(sampling_card(pre)) + "\n"
-        (folder / "README.md").write_text(card, encoding="utf-8")
+        (folder / "README.md").write_text(scrub(card), encoding="utf-8")
 
     write_folder_atomically(out, fill)
     return sorted(out.iterdir())

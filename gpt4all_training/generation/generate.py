@@ -13,7 +13,6 @@ so its text does not depend on the batch it lands in. No token is ever added to 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -28,6 +27,7 @@ from gpt4all_training.data.prompts import encode_prompts, resolve_template
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.decoding import Sampling, Sequence, decode_all, eos_token_ids
 from gpt4all_training.model.loading import load_model, tokenizer_for
+from gpt4all_training.readers import parse_json, read_text
 
 
 def generate_texts(model, tokenizer, prompts: list[str], template: str, max_new_tokens: int,
@@ -68,15 +68,12 @@ def read_prompts_file(path: str) -> list[str]:
     if not file.is_file():
         raise UserError(f"prompts_file: {path} does not exist")
     prompts = []
-    lines = file.read_text(encoding="utf-8").splitlines()
+    lines = read_text(file, "prompts_file").splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if file.suffix in (".jsonl", ".json"):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"prompts_file {path}:{number}: not valid JSON") from None
+            row = parse_json(line, f"prompts_file {path}:{number}")
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise UserError(f"prompts_file {path}:{number}: expected an object with a string 'prompt'")
             prompts.append(row["prompt"])
@@ -93,16 +90,13 @@ def read_messages_file(path: str) -> list[list[dict]]:
     file = Path(path)
     if not file.is_file():
         raise UserError(f"messages_file: {path} does not exist")
-    text = file.read_text(encoding="utf-8")
+    text = read_text(file, "messages_file")
     lines = [(None, text)] if file.suffix == ".json" else [(n, line) for n, line in enumerate(text.splitlines(), 1)
                                                            if line.strip()]
     conversations = []
     for number, line in lines:
         where = f"messages_file {path}" + (f":{number}" if number else "")
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise UserError(f"{where}: not valid JSON") from None
+        row = parse_json(line, where)
         messages = row.get("messages") if isinstance(row, dict) else row
         # Checked as the conversation it becomes once answered: roles in order, no empty turn.
         problem = conversation_problem([*messages, {"role": "assistant", "content": "answer"}]) \

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,9 @@ from safetensors import SafetensorError
 from gpt4all_training.config.blocks import ModelSource
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.chat_templates import apply_chat_template_option
-from gpt4all_training.model.names import (closest_sibling, missing_path_error, packaged_model, portable_name,
-                                          resolved_name)
+from gpt4all_training.model.names import missing_path_error, packaged_model, portable_name, resolved_name
+from gpt4all_training.paths import closest_sibling
+from gpt4all_training.readers import read_json
 
 # Files a tokenizer is read from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -114,14 +114,17 @@ def tokenizer_for(config: ModelSource):
 def adapter_base(adapter_dir: str) -> str:
     """The base model an adapter names, as loading code can open it: a packaged model recorded by its short name
     (or, by adapters saved before short names, by a path inside some installation's venv) is this installation's."""
-    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    base = config["base_model_name_or_path"]
-    return resolved_name(base) if base else base
+    path = Path(adapter_dir) / "adapter_config.json"
+    config = read_json(path, "adapter")
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(base, str) or not base:
+        raise UserError(f"adapter {path}: names no base model (base_model_name_or_path); set it, or name the "
+                        f"base model (export: --base)")
+    return resolved_name(base)
 
 
 def load_model(name: str, revision: str | None = None, gguf_file: str | None = None,
-               trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
-               gradient_checkpointing: bool = False, key: str = "model_name"):
+               trust_remote_code: bool = False, dtype: torch.dtype = torch.float32, key: str = "model_name"):
     """An AutoModelForCausalLM in `dtype`. An adapter folder loads as base plus adapter (a PeftModel). `key` is the
     option that named it, for the error lines."""
     from transformers import AutoModelForCausalLM
@@ -129,7 +132,7 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
     if is_adapter_folder(name):
         from peft import PeftModel
 
-        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, gradient_checkpointing, key)
+        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, key)
         with loading_errors(f"{key} {name}"):
             return PeftModel.from_pretrained(base, name)
     source, extra = model_source(name, gguf_file, key)
@@ -147,9 +150,6 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
         # Recorded as the base of any adapter trained on it, so the adapter folder alone finds its base again: a
         # packaged model by its short name, which every installation resolves (not a path inside this venv).
         model.name_or_path = portable_name(Path(source) / extra["gguf_file"])
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
     return model
 
 

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import sha256_file
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
 from gpt4all_training.model.names import resolved_name
 
@@ -24,7 +25,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CHECKPOINT_DIR = re.compile(r"step_\d+")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 RUN_CONFIG_FILE = "config.yaml"  # what training writes into each step_N/ and final/ (training/checkpoint.py)
-HASH_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,7 @@ def content_sha256(path: Path) -> str:
     """SHA-256 of a file; for a folder, of the names and hashes of the files directly in it (not its sub-folders,
     so final/ does not include final/merged/)."""
     if path.is_file():
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(HASH_CHUNK):
-                digest.update(chunk)
-        return digest.hexdigest()
+        return sha256_file(path)
     digest = hashlib.sha256()
     for child in sorted(p for p in path.iterdir() if p.is_file()):
         digest.update(f"{child.name}\0{content_sha256(child)}\n".encode())

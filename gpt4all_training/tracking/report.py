@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from gpt4all_training.files import atomic_write
 from gpt4all_training.tracking.tracker import read_metrics
 
 # (panel id, title, y label, [(metric, legend label)], log scale when the values span more than 100x)
@@ -155,8 +156,4 @@ def write_report(output_dir: str | Path, summary: dict[str, Any]) -> Path:
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>training report</title>"
             f"<style>{PAGE_STYLE}</style></head><body><h1>Training report</h1>{body}"
             f"<h2>Summary</h2><table>{table}</table></body></html>")
-    path = output_dir / "report.html"
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return atomic_write(output_dir / "report.html", page)

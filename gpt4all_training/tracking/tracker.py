@@ -8,13 +8,13 @@ re-sending steps it already has, so its step never goes backwards.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from pathlib import Path
 from typing import Any
 
 from gpt4all_training.config.secrets import redact
 from gpt4all_training.errors import TrainingError, write_failure
+from gpt4all_training.files import atomic_write
 
 SECRET_KEYS = ("token", "password", "secret", "api_key")
 WANDB_ID_FILE = "wandb_run_id"
@@ -33,19 +33,22 @@ def metrics_write_error(path: Path, exc: OSError, when: str) -> TrainingError:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (none when there is no file), up to a line cut by a crash: everything before it
-    is intact. Blank lines are skipped."""
+    """The rows of a metrics.jsonl (none when there is no file), up to a line cut by a crash, or otherwise not a row
+    (not UTF-8, not a JSON object): everything before it is intact. Blank lines are skipped."""
     path = Path(path)
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            row = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             break
+        if not isinstance(row, dict):
+            break
+        rows.append(row)
     return rows
 
 
@@ -55,7 +58,7 @@ def wandb_run_id(output_dir: str | Path, resume_step: int) -> str:
     if resume_step > 0 and path.is_file():
         return path.read_text(encoding="utf-8").strip()
     run_id = secrets.token_hex(6)  # wandb ids: up to 64 of [a-z0-9_-]
-    path.write_text(run_id, encoding="utf-8")
+    atomic_write(path, run_id)
     return run_id
 
 
@@ -72,10 +75,8 @@ class Tracker:
         if self.jsonl:
             # On resume, rows logged after the checkpoint are replayed; drop them so steps stay unique and monotone.
             kept = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= resume_step]
-            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
             try:
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-                os.replace(tmp, self.metrics_path)
+                atomic_write(self.metrics_path, (json.dumps(r) + "\n" for r in kept))
             except OSError as exc:
                 raise metrics_write_error(self.metrics_path, exc, f"step {resume_step}") from None
         if "tensorboard" in report_to:

@@ -37,11 +37,8 @@ or by one of this run past the step it resumes from) is renamed `step_N.set-asid
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
-import pickle
 import random
 import re
 import secrets
@@ -53,16 +50,21 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import yaml
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from gpt4all_training.backends.deepspeed import deepspeed_pickled_types
 from gpt4all_training.config.secrets import redact
 from gpt4all_training.errors import TrainingError, UserError, write_failure
+# The crash-safe file pieces, under the names readers of checkpoints import from here.
+from gpt4all_training.files import MARKER, atomic_write, fsync_dir, fsync_tree, load_tensors
+from gpt4all_training.files import marker_problem as verify
+from gpt4all_training.files import save_tensors as torch_save
+from gpt4all_training.files import sha256_file as sha256  # noqa: F401
+from gpt4all_training.files import write_marker
 from gpt4all_training.training.resume_config import (NEW_OUTPUT_DIR, check_config_changes, config_changes,
                                                      hyperparameters, refuse_changes, restore_hyperparameters)
 from gpt4all_training.training.state import TrainState
 
-MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
 RUN_ID_FILE = "run_id"  # in output_dir: the id of the run last started there
@@ -122,49 +124,6 @@ def check_resumable(state: dict[str, Any], sampler, folder: Path) -> None:
 
 # ---------------------------------------------------------------- files
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    for folder in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
-        fsync_dir(folder)
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def torch_save(obj: Any, path: Path) -> None:
-    """torch.save through a buffer: a failed write then raises OSError with its errno (torch's own is cryptic)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    with open(path, "wb") as f:
-        f.write(buffer.getbuffer())
-
-
-def load_tensors(path: Path, map_location: str | None = None, mmap: bool = False) -> Any:
-    """torch.load of a file of tensors and plain values only: a pickle that would construct anything else (and so
-    could run code) is refused with a UserError naming the file, whatever its checksum says."""
-    try:
-        return torch.load(path, weights_only=True, map_location=map_location, mmap=mmap)
-    except pickle.UnpicklingError:
-        raise UserError(f"checkpoint file {path}: holds objects other than tensors, and loading them could run code; "
-                        f"refused. Use only checkpoints this program wrote") from None
-
-
 def check_deepspeed_files(folder: Path) -> None:
     """check_engine_files for DeepSpeed's engine state."""
     check_engine_files(folder, deepspeed_pickled_types())
@@ -178,42 +137,6 @@ def check_engine_files(folder: Path, allowed: list[type]) -> None:
     with torch.serialization.safe_globals(allowed):
         for path in sorted(folder.rglob("*.pt")):
             load_tensors(path, map_location="cpu", mmap=True)
-
-
-def write_marker(folder: Path) -> None:
-    files = {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
-    (folder / MARKER).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
-
-
-def verify(folder: Path) -> str | None:
-    """None if `folder` is a complete, intact checkpoint; otherwise why not."""
-    marker = folder / MARKER
-    if not marker.is_file():
-        return "no completion marker (the save was interrupted)"
-    try:
-        files = json.loads(marker.read_text(encoding="utf-8"))["files"]
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-        return "unreadable completion marker"
-    for name, digest in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if sha256(path) != digest:
-            return f"{name} does not match its checksum (corrupted or truncated)"
-        if name.endswith(".safetensors") and (problem := safetensors_problem(path)):
-            return f"{name} {problem}"
-    return None
-
-
-def safetensors_problem(path: Path) -> str | None:
-    """Why the safetensors file cannot be read, or None. The checksums only say a file is what was written; a file
-    garbled before its checksum was taken passes them."""
-    try:
-        with safe_open(str(path), framework="pt") as tensors:
-            tensors.keys()
-    except (SafetensorError, OSError) as exc:
-        return f"is not readable safetensors ({(str(exc).splitlines() or [type(exc).__name__])[0][:120]})"
-    return None
 
 
 def checkpoint_dirs(output_dir: str | Path, pattern: re.Pattern = STEP_DIR) -> list[tuple[int, Path]]:
@@ -242,9 +165,7 @@ def read_run_id(output_dir: str | Path) -> str | None:
 
 
 def write_run_id(output_dir: Path, run_id: str) -> None:
-    tmp = output_dir / (RUN_ID_FILE + ".tmp")
-    tmp.write_text(run_id, encoding="utf-8")
-    os.replace(tmp, output_dir / RUN_ID_FILE)
+    atomic_write(output_dir / RUN_ID_FILE, run_id)
 
 
 def new_run_id() -> str:

@@ -12,10 +12,10 @@ from safetensors import SafetensorError
 
 from gpt4all_training.backends.replicas import replica_mismatches
 from gpt4all_training.errors import TrainingError, write_failure
+from gpt4all_training.files import fsync_dir, fsync_tree, write_marker
 from gpt4all_training.tracking.hub import push_folder
 from gpt4all_training.tracking.report import write_report
-from gpt4all_training.training.checkpoint import (CONFIG_FILE, FINAL_DIR, Checkpointer, fsync_dir, fsync_tree,
-                                                  write_marker)
+from gpt4all_training.training.checkpoint import CONFIG_FILE, FINAL_DIR, Checkpointer
 
 
 def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config_yaml: str) -> None:

@@ -6,9 +6,7 @@ Every file is written to a temporary name and renamed, so a crash never leaves a
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,9 @@ from gpt4all_training.analysis.map.clusters import named_clusters
 from gpt4all_training.analysis.map.layout import embedding_features
 from gpt4all_training.analysis.map.runs import Run, load_run
 from gpt4all_training.data.clean import dataset_row_record
-from gpt4all_training.errors import UserError
+from gpt4all_training.errors import UserError, shown
+from gpt4all_training.files import atomic_write
+from gpt4all_training.readers import parse_json, read_text
 
 # Why a record was dropped, in the order the rules run; a record counts under the first rule that drops it.
 REASONS = ("not_included", "excluded", "high_loss", "low_loss", "exact_duplicate", "near_duplicate")
@@ -33,6 +33,7 @@ REMOVED_FILE = "curate_removed.jsonl"
 EXAMPLES = 3  # example prompts per cluster and per source in the report
 EXAMPLE_CHARS = 160
 INTEGER = re.compile(r"\d+")
+MAX_ID = 2**63 - 1  # an index is an int64
 
 
 @dataclass
@@ -53,20 +54,34 @@ def read_ids(path: str, flag: str) -> np.ndarray:
     file = Path(path)
     if not file.is_file():
         raise UserError(f"{flag} {file}: no such file")
-    text = file.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+    text = read_text(file, flag)
+    if text.lstrip().startswith(("[", "{")):
+        data = parse_json(text, f"{flag} {file}")
+    else:
         data = text.replace(",", " ").split()
     if isinstance(data, dict):
         data = data.get("ids")
     if not isinstance(data, list):
         raise UserError(f'{flag} {file}: expected the map\'s selection file ({{"ids": [...]}}), a JSON list of ids, '
                         f"or one id per line")
-    bad = [v for v in data if not (type(v) is int or isinstance(v, str) and INTEGER.fullmatch(v))]
-    if bad:
-        raise UserError(f"{flag} {file}: ids are the records' index, whole numbers; got {bad[0]!r}")
-    return np.array([int(v) for v in data], dtype=np.int64)
+    ids = [as_id(v) for v in data]
+    if None in ids:
+        bad = data[ids.index(None)]
+        whole = type(bad) is int or isinstance(bad, str) and INTEGER.fullmatch(bad.lstrip("-"))
+        kind = "from 0 to 2^63 - 1" if whole else "whole numbers"
+        raise UserError(f"{flag} {file}: ids are the records' index, {kind}; got {shown(bad)}")
+    return np.array(ids, dtype=np.int64)
+
+
+def as_id(value: Any) -> Optional[int]:
+    """`value` as a record index (an int64 from 0), or None."""
+    if type(value) is int:
+        number = value
+    elif isinstance(value, str) and INTEGER.fullmatch(value) and len(value) <= len(str(MAX_ID)):
+        number = int(value)
+    else:
+        return None
+    return number if 0 <= number <= MAX_ID else None
 
 
 def check_ids(ids: np.ndarray, index: np.ndarray, flag: str, path: str, run_path: Path) -> None:
@@ -97,21 +112,6 @@ def check_options(options: CurateOptions) -> None:
         raise UserError(f"--embedder {options.embedder!r}: one of {', '.join(EMBEDDERS)}")
     if not re.fullmatch(r"[\w.-]+", options.name):
         raise UserError(f"--name {options.name!r}: letters, digits, '.', '-' and '_' only (it names a file)")
-
-
-def write_atomically(path: Path, lines: Iterable[str]) -> None:
-    """Lines to a temporary file in the same folder, fsynced, then renamed over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for line in lines:
-                out.write(line + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def clipped(text: Optional[str]) -> str:
@@ -263,8 +263,8 @@ def curate(input_path: str | Path, output_dir: str | Path, options: CurateOption
     records = datasets.Dataset(table.select(record_columns).take(pa.array(rows.order[kept])))
     lines = (json.dumps(dataset_row_record(r, s), ensure_ascii=False) for r, s in zip(records, rows.source[kept]))
     dataset = output_dir / f"{options.name}_clean.jsonl"
-    write_atomically(dataset, lines)
-    write_atomically(output_dir / REMOVED_FILE, removed_lines(rows, decisions))
+    atomic_write(dataset, (line + "\n" for line in lines))
+    atomic_write(output_dir / REMOVED_FILE, (line + "\n" for line in removed_lines(rows, decisions)))
 
     clusters, words = named_clusters(embedding_features(run.embeddings, options.seed), run, seed=options.seed)
     counts = Counter(decisions.reason[~kept].tolist())
@@ -276,5 +276,5 @@ def curate(input_path: str | Path, output_dir: str | Path, options: CurateOption
         "removed_by_cluster": removed_by(clusters[rows.order], decisions.reason, rows.prompts, "cluster", words),
         "removed_by_source": removed_by(rows.source, decisions.reason, rows.prompts, "source"),
     }
-    write_atomically(output_dir / REPORT_FILE, [json.dumps(report, indent=2, ensure_ascii=False)])
+    atomic_write(output_dir / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return report

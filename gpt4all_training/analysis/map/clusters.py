@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from gpt4all_training.analysis.map.runs import Run
+from gpt4all_training.files import atomic_file
 
 # Words of instructions rather than topics, on top of scikit-learn's English stop words.
 INSTRUCTION_WORDS = frozenset("""
@@ -112,7 +113,7 @@ def cluster_table(run: Run, labels: np.ndarray, words: list[str], change: Option
 
 
 def write_clusters_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with atomic_file(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from gpt4all_training.analysis.map.runs import Run
+from gpt4all_training.files import atomic_file, atomic_write
 
 BINS = 64  # colours per ramp; code BINS is "missing"
 MAX_CATEGORIES = 20  # tab20's colours; rarer sources share the last one as "other"
@@ -164,7 +165,8 @@ def write_png(xy: np.ndarray, scale: ColorScale, labels: np.ndarray, path: Path,
         bar = fig.colorbar(ScalarMappable(scale.norm, scale.cmap), ax=ax, fraction=0.04, pad=0.02)
         bar.set_label(scale.title, color="white")
         bar.ax.tick_params(colors="white")
-        fig.savefig(path, facecolor=BACKGROUND)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", facecolor=BACKGROUND)
     finally:
         plt.close(fig)
 
@@ -218,7 +220,7 @@ def write_html(payload: dict, path: Path) -> None:
     parts = {"TITLE": escape_html(payload["title"]), "CSS": read_page_file("page.css").strip(),
              "JS": read_page_file("page.js").strip(), "DATA": data}
     page = PLACEHOLDER.sub(lambda match: parts[match.group(1)], read_page_file("page.html"))
-    path.write_text(page, encoding="utf-8")
+    atomic_write(path, page)
 
 
 def escape_html(text: str) -> str:
