@@ -6,7 +6,8 @@
 2. clean them with clean.py (conversations in OpenAI `messages` form);
 3. measure the base SmolLM2-135M-Instruct: exact match on both assistant turns (greedy, through its chat template),
    and the offline lm-evaluation-harness suite (configs/eval) through `gpt4all-training eval`;
-4. fine-tune it with LoRA in fp32 on every assistant turn (demo/config.yaml) and merge the adapter;
+4. fine-tune it with LoRA (dtype auto: bf16 on a CPU with AMX or AVX512-BF16, else fp32) on every assistant turn
+   (demo/config.yaml) and merge the adapter;
 5. measure the fine-tuned model the same way;
 6. preference-tune the fine-tuned model (objective dpo, demo/dpo.yaml: a new LoRA adapter, the fine-tuned model as
    its reference) on generated pairs, each task's correct answer chosen over a wrong one, and measure it again;

@@ -32,7 +32,7 @@ def backend():
 
 def train_config(model_dir, **overrides) -> TrainConfig:
     values = dict(model_name=model_dir and str(model_dir), dataset_path="unread", lora_r=RANK, lora_alpha=8,
-                  lora_dropout=0.0, lora_target_modules=TARGETS)
+                  lora_dropout=0.0, lora_target_modules=TARGETS, dtype="float32")
     values.update(overrides)
     return validate(TrainConfig(**values))
 

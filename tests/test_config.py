@@ -76,7 +76,7 @@ def test_only_model_name_and_dataset_path_are_needed(tmp_path):
                 "gradient_accumulation_steps": 1, "max_steps": None, "max_grad_norm": 1.0, "warmup_steps": 100,
                 "num_epochs": 1, "seed": 42, "eval_every": 500, "save_every": 500, "keep_last": 2,
                 "lora": False, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "lora_target_modules": None,
-                "trust_remote_code": False, "dtype": "float32", "report_to": ["jsonl"], "push_to_hub": False}
+                "trust_remote_code": False, "dtype": "auto", "report_to": ["jsonl"], "push_to_hub": False}
     assert {key: getattr(config, key) for key in defaults} == defaults
 
 

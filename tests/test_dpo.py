@@ -65,7 +65,7 @@ def dpo_config(model_dir, data_dir, output_dir, **overrides) -> TrainConfig:
     values = dict(model_name=str(model_dir), dataset_path=str(data_dir), output_dir=str(output_dir), objective="dpo",
                   max_length=48, batch_size=4, lr=1e-3, min_lr=1e-3, warmup_steps=0, val_fraction=0.0,
                   num_epochs=10, max_steps=10, eval_every=None, save_every=None, num_proc=1, seed=0,
-                  max_grad_norm=None)
+                  max_grad_norm=None, dtype="float32")
     values.update(overrides)
     return validate(TrainConfig(**values))
 

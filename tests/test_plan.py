@@ -38,7 +38,8 @@ def varied_pairs(tmp_path_factory):
 def config_for(model_dir, data_dir, output_dir, **overrides) -> TrainConfig:
     values = dict(model_name=str(model_dir), dataset_path=str(data_dir), output_dir=str(output_dir), max_length=32,
                   batch_size=4, lr=1e-3, min_lr=1e-4, warmup_steps=1, val_fraction=0.1, num_epochs=1,
-                  eval_every=None, eval_steps=1, save_every=None, num_proc=1, seed=3, report_to=["jsonl"])
+                  eval_every=None, eval_steps=1, save_every=None, num_proc=1, seed=3, report_to=["jsonl"],
+                  dtype="float32")
     values.update(overrides)
     return validate(TrainConfig(**values))
 

@@ -36,7 +36,7 @@ def eight_examples(tmp_path_factory) -> Path:
 def tiny_config(model_dir, data_dir, output_dir, **overrides) -> TrainConfig:
     values = dict(model_name=str(model_dir), dataset_path=str(data_dir), output_dir=str(output_dir), max_length=64,
                   batch_size=8, lr=3e-3, min_lr=3e-3, warmup_steps=0, val_fraction=0.0, num_epochs=100, max_steps=40,
-                  eval_every=None, save_every=None, num_proc=1, seed=0)
+                  eval_every=None, save_every=None, num_proc=1, seed=0, dtype="float32")
     values.update(overrides)
     return validate(TrainConfig(**values))
 

@@ -17,6 +17,7 @@ from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError
 from gpt4all_training.evaluation.train_tasks import TaskEvaluator, check_eval_tasks, evaluate_final
 from gpt4all_training.training.loop import train
+from gpt4all_training.training.precision import resolve_dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def lost_peer_error(exc: RuntimeError) -> TrainingError | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
+    config = resolve_dtype(load_config(args.config, args.overrides))  # the backend's precision is the resolved one
     check_eval_tasks(config)  # a misspelt eval task fails now, not after the run
     try:
         backend = build_backend(config)

@@ -46,9 +46,12 @@ class Block:
     def groups(cls) -> list[tuple[str, list[dataclasses.Field]]]:
         """(title, fields) per block in field order; the title is the first line of the block's docstring."""
         fields = dataclasses.fields(cls)
+        # A field a config declares again (its own default) belongs to the config, not to the block it replaces.
+        owner = {f.name: block for block in field_order_blocks(cls) for f in fields
+                 if f.name in vars(block).get("__annotations__", {})}
         out = []
         for block in field_order_blocks(cls):
-            own = [f for f in fields if f.name in vars(block).get("__annotations__", {})]
+            own = [f for f in fields if owner.get(f.name) is block]
             if own:
                 out.append(((block.__doc__ or block.__name__).strip().splitlines()[0], own))
         return out
@@ -111,8 +114,8 @@ class ModelSource(Block):
                                        "saved with the trained tokenizer, so exports carry it.")
     model_revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the model.")
     trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
-    dtype: Dtype = doc("Precision: float32, bfloat16 or float16. Training autocasts over fp32 master weights; "
-                       "inference and generation load the weights in it.", "float32")
+    dtype: Dtype = doc("Precision: float32, bfloat16 or float16. Inference and generation load the weights in it.",
+                       "float32")
 
 
 @dataclass

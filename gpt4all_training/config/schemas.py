@@ -31,6 +31,10 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
                   Examples, DataSource, TextField, Preference, Objective, LoRA, TrainingCompute, ModelSource):
     """training: a fine-tuning, preference-tuning or pretraining run (`train`; `data`, `plan` and `check` read the
     same config)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc(
+        "Compute precision: auto, float32, bfloat16 or float16. Training autocasts over fp32 master weights. auto is "
+        "bfloat16 on a GPU with bf16 and on a CPU with native bf16 (AMX or AVX512-BF16), float32 elsewhere; a resumed "
+        "run keeps the dtype its run resolved.", "auto")
 
     def required_keys(self) -> tuple[str, ...]:
         # init from_config builds the model from model_config: there is no base model to name.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from gpt4all_training.backends.precision import native_dtype
 from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.data.chat import unrendered_conversations
@@ -212,7 +213,8 @@ def memory_problem(config, estimate, available: float, where: str) -> Optional[s
 def check_memory(config, objective: ObjectiveChecks, shape) -> Outcome:
 
     sequences = objective.rows_per_example * config.batch_size
-    estimates = memory_per_gpu(shape, sequences, config.max_length, config.dtype, 1, config.gradient_checkpointing,
+    dtype = native_dtype()[0] if config.dtype == "auto" else config.dtype
+    estimates = memory_per_gpu(shape, sequences, config.max_length, dtype, 1, config.gradient_checkpointing,
                                objective.reference_copies)
     mode = "LoRA" if config.lora else "full (DDP)"
     available, where = device_memory()

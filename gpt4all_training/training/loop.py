@@ -30,6 +30,7 @@ from gpt4all_training.training.final import finish_run
 from gpt4all_training.training.meter import ThroughputMeter, peak_memory
 from gpt4all_training.training.objectives import objective_for
 from gpt4all_training.training.objectives.protocol import TrainingObjective
+from gpt4all_training.training.precision import resolve_dtype
 from gpt4all_training.training.schedule import build_scheduler, total_optimizer_steps
 from gpt4all_training.training.step import train_step
 from gpt4all_training.training.stop import GracefulStop
@@ -40,6 +41,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     `backend` is built from the config when not given (the CLI gives it, to learn whether to exit hard after).
     `evaluators` build more components like the validation loss's, from (config, backend, tokenizer, total_steps,
     log): the stages above training hand theirs in this way (the CLI, eval_tasks_every's harness scores)."""
+    config = resolve_dtype(config)  # the CLI resolved it already, before building its backend
     backend = backend or build_backend(config)
     log = backend.print
     torch.manual_seed(config.seed)
