@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from support.files import write_jsonl
 from gpt4all_training.backends.precision import native_dtype
@@ -45,16 +46,18 @@ def test_auto_resolves_to_this_machines_native_dtype_in_one_line():
 
 
 def test_a_resumed_auto_run_keeps_the_dtype_it_resolved(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """Two steps under auto, then the second step again from step_1 on a machine whose auto is the other dtype:
-    the resumed run trains in the dtype its run resolved (a changed dtype would be refused as a config change)."""
+    """Two LoRA steps under auto (validated, checkpointed, merged: on a bf16 machine over a base stored in bf16),
+    then the second step again from step_1 on a machine whose auto is the other dtype: the resumed run trains in
+    the dtype its run resolved (a changed dtype would be refused as a config change), to the same adapter."""
     data = write_jsonl(tmp_path / "data" / "pairs_clean.jsonl",
                        [{"prompt": f"What is {i} plus {i}?", "response": f"{2 * i}.", "source": "t"}
-                        for i in range(8)]).parent
+                        for i in range(16)]).parent
     values = dict(model_name=str(tiny_model_dir), dataset_path=str(data), output_dir=str(tmp_path / "run"),
-                  max_length=32, batch_size=4, val_fraction=0.0, max_steps=2, save_every=1, eval_every=None,
-                  num_proc=1, seed=0)
+                  max_length=32, batch_size=4, val_fraction=0.25, max_steps=2, save_every=1, eval_every=1,
+                  num_proc=1, seed=0, lora=True, lora_dropout=0.0, merge_lora=True)
     train(validate(TrainConfig(**values)))
     first = capsys.readouterr().out
+    adapter = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
     here = native_dtype()[0]
     assert f"dtype: auto is {here} (" in first
     saved = yaml.safe_load((tmp_path / "run" / "step_1" / "config.yaml").read_text())
@@ -66,5 +69,7 @@ def test_a_resumed_auto_run_keeps_the_dtype_it_resolved(tiny_model_dir, tmp_path
     resumed = capsys.readouterr().out
     assert f"dtype: auto is {here} (what the run this one continues resolved)" in resumed
     assert yaml.safe_load((tmp_path / "run" / "final" / "config.yaml").read_text())["dtype"] == here
+    again = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
+    assert again.keys() == adapter.keys() and all(torch.equal(again[k], adapter[k]) for k in adapter)
     # Starting over takes the machine's dtype (resolved only: one process keeps one accelerate precision).
     assert precision.resolve_dtype(validate(TrainConfig(**values, resume="never")), print).dtype == other

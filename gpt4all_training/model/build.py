@@ -4,15 +4,16 @@
 steps that each have a function here:
 
 1. `base_model`: model_name's weights, or random ones from model_config (init: from_config), stored in `dtype`
-   (fp32: the master weights that autocast computes from), with dropout off where the objective asks.
+   (`storage_dtype`: fp32, the master weights that autocast computes from; under LoRA the frozen base in the
+   compute dtype), with dropout off where the objective asks.
 2. `assemble`: gradient checkpointing, the LoRA adapter, whether the loss may chunk the output head (the backend
    says), and the parameter counts, logged.
 
-The storage choices still to come plug in here, each as a piece of its own, with the loop and the objectives
-untouched: a frozen base in the compute dtype under LoRA is `base_model(..., dtype=torch.bfloat16)`, PEFT keeping
-the adapter (and so its optimizer state) in fp32 (tests/test_build.py holds it to that); a quantized base passes a
-bitsandbytes config through `base_model` to from_pretrained, prepares it for k-bit training (PEFT) before the
-adapter in `assemble`, and is refused where `backend.partitions_parameters and not backend.shards_quantized_base`.
+The storage choices plug in here, each as a piece of its own, with the loop and the objectives untouched: the
+frozen base in the compute dtype under LoRA (`storage_dtype`), PEFT keeping the adapter (and so its optimizer
+state) in fp32 (tests/test_build.py holds it to that); a quantized base passes a bitsandbytes config through
+`base_model` to from_pretrained, prepares it for k-bit training (PEFT) before the adapter in `assemble`, and is
+refused where `backend.partitions_parameters and not backend.shards_quantized_base`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ MASTER_DTYPE = torch.float32
 class BuildingBackend(Protocol):
     """What building asks the run's backend (backends/backend.py)."""
     chunks_output_head: bool
+    partitions_parameters: bool
 
     def parameter_shape(self, param: torch.Tensor) -> torch.Size: ...
 
@@ -49,7 +51,18 @@ def build_training_model(config: TrainConfig, tokenizer, backend: BuildingBacken
     """The model `config` trains, for backend.prepare: its base (init: config.init), checkpointed and with a LoRA
     adapter as the config says. `dropout_off` sets every dropout of the base to 0 (dpo: the policy and its reference
     must score a text alike). Under ZeRO-3 it is built partitioned."""
-    return assemble(base_model(config, tokenizer, dropout_off=dropout_off), config, backend)
+    return assemble(base_model(config, tokenizer, dtype=storage_dtype(config, backend), dropout_off=dropout_off),
+                    config, backend)
+
+
+def storage_dtype(config: TrainConfig, backend: BuildingBackend) -> torch.dtype:
+    """What the base's weights are stored in. Under LoRA with a 16-bit compute dtype the frozen base is stored in it,
+    as PEFT and TRL users load it: half the weight memory, and no cast per matmul under autocast (which computes in
+    that dtype from fp32 weights anyway). The weights training updates stay fp32. Not where the backend partitions
+    parameters (ZeRO-3, FSDP2), whose shards take one dtype per block."""
+    if config.lora and config.dtype in ("bfloat16", "float16") and not backend.partitions_parameters:
+        return getattr(torch, config.dtype)
+    return MASTER_DTYPE
 
 
 def base_model(config: TrainConfig, tokenizer, *, dtype: torch.dtype = MASTER_DTYPE,

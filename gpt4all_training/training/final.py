@@ -59,9 +59,9 @@ def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_l
     tokenizer.save_pretrained(folder)
     generation.save_pretrained(folder)
     if merge_lora and is_peft:
-        # After the adapter is saved: merging folds it into the base in place. Master weights are fp32 whatever
-        # the compute dtype, so the merge happens in fp32.
-        merged = backend.whole_copy(unwrapped, state_dict).merge_and_unload()  # ZeRO-3, XLA: a whole CPU copy
+        # After the adapter is saved: merging folds it into the base in place, in fp32. A LoRA base stored in the
+        # compute dtype (model/build.py) is widened first: exactly, and it is what the adapter was trained over.
+        merged = backend.whole_copy(unwrapped, state_dict).float().merge_and_unload()  # ZeRO-3, XLA: a CPU copy
         merged.save_pretrained(folder / "merged", safe_serialization=True)
         tokenizer.save_pretrained(folder / "merged")
         generation.save_pretrained(folder / "merged")
