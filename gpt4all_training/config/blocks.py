@@ -297,8 +297,11 @@ class Schedule(Block):
 
 @dataclass
 class Optimizer(Block):
-    """optimizer: AdamW's weight decay and gradient clipping."""
-    weight_decay: float = doc("Decoupled weight decay; biases, norms and embeddings are exempt.", 0.0)
+    """optimizer: which, its weight decay and gradient clipping."""
+    optimizer: Literal["adamw", "adamw_fused", "adamw_8bit", "sgd"] = doc(
+        "adamw (torch's multi-tensor AdamW), adamw_fused (its fused kernel: CPU, CUDA and a few more), adamw_8bit "
+        "(bitsandbytes: moments stored in 8 bits, a quarter of the state memory) or sgd (no momentum).", "adamw")
+    weight_decay: float = doc("Weight decay (decoupled for AdamW); biases, norms and embeddings are exempt.", 0.0)
     max_grad_norm: Optional[float] = doc("Clip the global gradient norm to this; unset disables clipping.", 1.0)
 
     def checks(self) -> list[Check]:

@@ -30,6 +30,7 @@ from gpt4all_training.training.final import finish_run
 from gpt4all_training.training.meter import ThroughputMeter, peak_memory
 from gpt4all_training.training.objectives import objective_for
 from gpt4all_training.training.objectives.protocol import TrainingObjective
+from gpt4all_training.training.optimizers import build_optimizer
 from gpt4all_training.training.precision import resolve_dtype
 from gpt4all_training.training.schedule import build_scheduler, total_optimizer_steps
 from gpt4all_training.training.step import train_step
@@ -131,9 +132,10 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
 
 
 def prepare(model, config: TrainConfig, backend, total_steps: int):
-    """(model, optimizer, scheduler), wrapped by the backend: AdamW over our parameter groups, our lr schedule."""
-    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay, backend.parameter_shape), lr=config.lr,
-                                  betas=(0.9, 0.999), eps=1e-8)
+    """(model, optimizer, scheduler), wrapped by the backend: the config's optimizer over our parameter groups, our
+    lr schedule."""
+    optimizer = build_optimizer(config.optimizer, param_groups(model, config.weight_decay, backend.parameter_shape),
+                                config.lr, backend.device)
     model, optimizer = backend.prepare(model, optimizer)
     if config.packing:
         check_isolation(model)  # refuse a model that would attend across packed examples (every rank runs it)
