@@ -26,8 +26,9 @@ Trained tokens/s counts the tokens the loss is taken on (response tokens), over 
 warm-up steps (harness.MODELS); real tokens/s the tokens of examples (padding excluded), the per-token rate that
 compares rows whose share of trained tokens differs (plain trains on every position); CPU s/step the process's CPU
 time per measured step, which grows less than the wall clock when other work shares the machine. Peak RSS is the
-process's, model and data included. Model FLOPs of the measured steps are recorded for bench/roofline.py. The final eval loss is computed the same way for every row, afterwards:
-our token-weighted loss of the saved model on our tokenisation of the validation split, in fp32.
+process's, model and data included. Model FLOPs of the measured steps are recorded for bench/roofline.py. The final
+eval loss is computed the same way for every row, afterwards: our token-weighted loss of the saved model on our
+tokenisation of the validation split, in fp32.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The `optimizer` key: each optimizer's first steps are torch.optim's reference steps within the reference's own
-fp32 rounding (measured against the same steps in float64, on the same real gradients); 8-bit AdamW's first step too, and its next ones within
-what its quantized moments may move a weight; a run resumed mid-way ends with the uninterrupted run's weights; and
-one line where an optimizer cannot run."""
+fp32 rounding (measured against the same steps in float64, on the same real gradients); 8-bit AdamW's first step
+too, and its next ones within what its quantized moments may move a weight; a run resumed mid-way ends with the
+uninterrupted run's weights; and one line where an optimizer cannot run."""
 
 from __future__ import annotations
 
