@@ -12,7 +12,8 @@
 #   ours        a ~1B Llama trained from random init by `python3 train.py --config ...` (causal_lm rows of 4096)
 #   trl         the same model, data and step size through TRL's SFTTrainer with packing=True (its default bfd)
 #   trl_wrapped the same with packing_strategy wrapped: fixed rows of max_length, the layout ours trains on
-#   smollm2_lora, smollm2_full, smollm2_lora_gc, smollm2_full_gc
+#   smollm2_lora, smollm2_full, smollm2_lora_gc, smollm2_full_gc, smollm2_profile (the last: --profile, where the
+#               LoRA row's step time goes, with the plain transformers + PEFT step beside it)
 #               bench/train_throughput.py's SmolLM2 rows (ours packed against TRL packed, bf16, 3 alternating
 #               repeats; LoRA and full fine-tuning, without and with activation checkpointing) at 8 times the CPU
 #               batch, on SmolLM2-135M's shapes with random weights (the trained ones are not on that machine); carry
@@ -470,7 +471,7 @@ def exit_error(work: Path, stage: str) -> str:
     return f"{why}: {lines[-1][:300]}" if lines else why
 
 
-SMOLLM2_ROWS = ("smollm2_lora", "smollm2_full", "smollm2_lora_gc", "smollm2_full_gc")
+SMOLLM2_ROWS = ("smollm2_lora", "smollm2_full", "smollm2_lora_gc", "smollm2_full_gc", "smollm2_profile")
 
 
 def smollm2_table(work: Path, stage: str) -> dict:
@@ -633,6 +634,9 @@ else
     stage "smollm2_$row" 120 "$python" bench/train_throughput.py --model $model --init random --scale 8 \
       --repeats 3 --variants $variants --json "$work/smollm2_$row.json"
   done
+  # Where the time goes on the GPU: the LoRA row profiled (its speeds are the profiler's, not the row's).
+  stage smollm2_profile 120 "$python" bench/train_throughput.py --model smollm2 --init random --scale 8 --steps 6 \
+    --repeats 1 --variants ours-packed,trl-packed,plain --profile --skip-eval --json "$work/smollm2_profile.json"
 fi
 "$python" "$work/bench.py" report "$work" "$mode" "$out" "$budget" "$SECONDS" 2>&1 | tee -a "$log"
 say "done in $SECONDS s"

@@ -87,7 +87,8 @@ def test_train_throughput_stage(results):
     of which 2 untimed); the full run's other three such stages are not started."""
     stages = results["smollm2"]
     assert {name: stage["error"] for name, stage in stages.items() if name != "smollm2_lora"} == {
-        "smollm2_full": "not run", "smollm2_lora_gc": "not run", "smollm2_full_gc": "not run"}
+        "smollm2_full": "not run", "smollm2_lora_gc": "not run", "smollm2_full_gc": "not run",
+        "smollm2_profile": "not run"}
     stage = stages["smollm2_lora"]
     assert stage["status"] == "ok", stage
     ours = stage["runs"]["ours-packed"][0]
