@@ -10,9 +10,11 @@ The whole path in a real browser, with real runs, is tests/test_studio_e2e.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -284,6 +286,39 @@ def test_a_run_of_an_invalid_or_missing_config_is_refused(client):
     response = client.post("/api/runs", json={"config": "configs/api.yaml", "devices": "gpu0"})
     assert response.json()["error"].startswith("error: devices 'gpu0'")
     assert client.post("/api/runs/none/stop").json()["error"] == "error: run none: no such run in runs/"
+
+
+def test_a_second_run_while_one_is_running_is_409_and_starts_nothing(client, workdir, cleaned):
+    """A run on device 0 whose supervisor is alive (a real process, named by its record as the studio writes it):
+    starting it again, or another run on the same device, is refused; the list shows it running."""
+    import psutil
+
+    for name, output_dir in (("api", "runs/api"), ("other", "runs/other")):
+        saved = client.post("/api/configs", json={"name": name, "values": values(output_dir=output_dir, max_steps=7)})
+        assert saved.status_code == 200, saved.text
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    busy = workdir / "runs" / "api"
+    try:
+        busy.mkdir(parents=True)
+        launch = dataclasses.asdict(Launch("configs/api.yaml", devices="0"))
+        (busy / RECORD_FILE).write_text(json.dumps({
+            "pid": sleeper.pid, "create_time": psutil.Process(sleeper.pid).create_time(), "config": "configs/api.yaml",
+            "command": "gpt4all-training train --config configs/api.yaml", "launch": launch}))
+        assert [(run["name"], run["state"]) for run in client.get("/api/runs").json()["runs"]] == [("api", "running")]
+        response = client.post("/api/runs", json={"config": "configs/api.yaml"})
+        assert (response.status_code, response.json()) == (409, {
+            "error": "error: run api: already running; stop it first"})
+        for devices in ("", "0", "1,0"):
+            response = client.post("/api/runs", json={"config": "configs/other.yaml", "devices": devices})
+            assert (response.status_code, response.json()) == (409, {
+                "error": "error: run api is running on 0: one run at a time per device; stop it, choose other "
+                         "devices, or allow concurrent runs"})
+        assert not (workdir / "runs" / "other").exists() and sorted(p.name for p in busy.iterdir()) == [RECORD_FILE]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        shutil.rmtree(busy)
+        (workdir / "configs" / "other.yaml").unlink(missing_ok=True)
 
 
 def test_device_sets_overlap_unless_both_name_different_devices():
