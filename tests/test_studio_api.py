@@ -304,7 +304,7 @@ def test_a_second_run_while_one_is_running_is_409_and_starts_nothing(client, wor
         (busy / RECORD_FILE).write_text(json.dumps({
             "pid": sleeper.pid, "create_time": psutil.Process(sleeper.pid).create_time(), "config": "configs/api.yaml",
             "command": "gpt4all-training train --config configs/api.yaml", "launch": launch}))
-        assert [(run["name"], run["state"]) for run in client.get("/api/runs").json()["runs"]] == [("api", "running")]
+        assert {run["name"]: run["state"] for run in client.get("/api/runs").json()["runs"]}["api"] == "running"
         response = client.post("/api/runs", json={"config": "configs/api.yaml"})
         assert (response.status_code, response.json()) == (409, {
             "error": "error: run api: already running; stop it first"})
@@ -398,10 +398,15 @@ def test_a_run_is_started_as_the_cli_under_python_or_accelerate_launch():
     assert shown == ["gpt4all-training", "train", "--config", "configs/a.yaml"]
     assert argv == [sys.executable, "-m", "gpt4all_training.cli", "train", "--config", "configs/a.yaml"]
     shown, argv = commands(Launch("configs/a.yaml", "accelerate", "fsdp2_2proc.yaml", 2), resume=True)
-    options = ["--config_file", str(ACCELERATE_DIR / "fsdp2_2proc.yaml"), "--num_processes", "2"]
+    port = shown[5]  # a free one: accelerate's fixed default would keep a second run beside this one from starting
+    options = ["--config_file", str(ACCELERATE_DIR / "fsdp2_2proc.yaml"), "--main_process_port", port,
+               "--num_processes", "2"]
     assert shown == ["accelerate", "launch", *options, "-m", "gpt4all_training.cli", "train", "--config",
                      "configs/a.yaml", "resume=auto"]
+    assert port.isdigit() and int(port) != 29500
     assert argv == [str(Path(sys.executable).with_name("accelerate")), *shown[1:]]
+    shown, _ = commands(Launch("configs/a.yaml", "accelerate", "fsdp2_2node.yaml"), resume=False)
+    assert shown[2:4] == ["--config_file", str(ACCELERATE_DIR / "fsdp2_2node.yaml")] and shown[4] == "-m"  # its own
 
 
 def test_the_studio_command_refuses_a_missing_key_and_a_port_in_use(capsys, tmp_path, monkeypatch):
@@ -418,27 +423,38 @@ def test_the_studio_command_refuses_a_missing_key_and_a_port_in_use(capsys, tmp_
 
 
 @pytest.mark.integration
+@pytest.mark.distributed
 @pytest.mark.slow
-def test_under_accelerate_launch_the_supervisor_signals_the_worker_once(tmp_path):
-    """The real launcher between the supervisor and the training process: the worker gets the one SIGTERM (the
-    launcher would send a second, and kill it 5 s later), and the run reads as stopped although the launcher then
-    exits 1."""
-    (tmp_path / "worker.py").write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"}
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
-    supervisor = subprocess.Popen([sys.executable, "-m", "gpt4all_training.studio.supervise", str(tmp_path),
-                                   "accelerate", "--", accelerate, "launch", "--num_processes", "1", "-m", "worker"],
-                                  cwd=REPO, env=env)
-    deadline = time.monotonic() + 120
-    while "ready" not in ((tmp_path / LOG_FILE).read_text() if (tmp_path / LOG_FILE).exists() else ""):
-        assert time.monotonic() < deadline and supervisor.poll() is None
-        time.sleep(0.1)
-    supervisor.send_signal(signal.SIGTERM)
-    assert supervisor.wait(timeout=60) == 1  # accelerate launch reports its child's 143 as a failure
-    assert "signals 1" in (tmp_path / LOG_FILE).read_text().splitlines()
-    ended = json.loads((tmp_path / EXIT_FILE).read_text())
-    assert (ended["exit_code"], ended["stop_signal"]) == (1, "SIGTERM")
-    assert run_info(Workdir(tmp_path), tmp_path)["state"] == "stopped"
+def test_a_run_under_accelerate_launch_with_a_chosen_config_stops_with_its_checkpoint(client, workdir, cleaned):
+    """The form's launcher for real: the shipped FSDP2 config (two processes, gloo on the CPU) started through the
+    API and stopped after its first step: the supervisor signals each rank once (accelerate's launcher would signal
+    again and kill them 5 s later), each writes its shards, and although the launcher then exits 1 the run reads as
+    stopped and resumable. (Resuming is the same command with resume=auto; FSDP2's exact resume is
+    tests/resume/test_fsdp_resume.py.)"""
+    steps = 12
+    saved = client.post("/api/configs", json={"name": "fsdp", "values": values(
+        output_dir="runs/fsdp", max_steps=steps, gradient_accumulation_steps=4, save_every=100)})
+    assert saved.status_code == 200, saved.text
+    started = client.post("/api/runs", json={"config": "configs/fsdp.yaml", "launcher": "accelerate",
+                                             "accelerate_config": "fsdp2_2proc.yaml"})
+    assert started.status_code == 200, started.text
+    assert re.fullmatch(rf"accelerate launch --config_file {ACCELERATE_DIR}/fsdp2_2proc.yaml --main_process_port "
+                        rf"\d+ -m gpt4all_training.cli train --config configs/fsdp.yaml", started.json()["command"])
+    folder = workdir / "runs" / "fsdp"
+    deadline = time.monotonic() + 300
+    while client.get("/api/runs/fsdp").json()["step"] < 1:
+        assert time.monotonic() < deadline and not (folder / EXIT_FILE).exists(), (folder / LOG_FILE).read_text()
+        time.sleep(0.2)
+    assert client.post("/api/runs/fsdp/stop").status_code == 200
+    while (stopped := client.get("/api/runs/fsdp").json())["state"] == "running":
+        assert time.monotonic() < deadline, stopped["log"]
+        time.sleep(0.2)
+    assert (stopped["state"], stopped["exit_code"], stopped["resumable"]) == ("stopped", 1, True), stopped["log"]
+    assert 1 <= stopped["step"] < steps and stopped["checkpoints"] == [stopped["step"]]
+    assert sorted(p.name for p in (folder / f"step_{stopped['step']}" / "fsdp").iterdir()) == ["rank0.pt",
+                                                                                                 "rank1.pt"]
+    log = (folder / LOG_FILE).read_text()
+    assert "FSDP2: 2 LlamaDecoderLayer units and the root, sharded over 2 processes" in log, log[-2000:]
 
 
 def test_a_chat_with_a_model_that_is_not_there_gets_the_loaders_line(client):
