@@ -204,7 +204,7 @@ def test_an_unknown_key_and_an_output_dir_outside_runs_are_refused(client):
 # ---------------------------------------------------------------- confinement, keys, other sites
 
 
-def test_paths_outside_the_workdir_are_403_and_nothing_is_written(client, workdir, tmp_path):
+def test_paths_outside_the_workdir_are_403_and_nothing_is_written(client, workdir, cleaned, tmp_path):
     outside = tmp_path / "outside"
     (workdir / "data" / "link").symlink_to(tmp_path)
     requests = [
@@ -225,6 +225,9 @@ def test_paths_outside_the_workdir_are_403_and_nothing_is_written(client, workdi
         assert response.json()["error"].startswith(f"error: {named}"), response.json()
     for name in ("/etc/hostname", "data/link/anything"):
         assert client.get(f"/files/{name}").status_code == 403
+    for upload in ("../outside.jsonl", str(outside / "x.jsonl"), "data/link/x.jsonl"):
+        response = client.post("/api/upload", params={"path": upload}, content=b'{"text": "x"}\n')
+        assert (response.status_code, response.json()["error"].startswith(f"error: path {upload}")) == (403, True)
     assert not outside.exists() and not (workdir / "data" / "x").exists()
 
 

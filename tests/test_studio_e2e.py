@@ -257,6 +257,8 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         wait(browser, "document.getElementById('run-state').textContent === 'finished'", 240, "train")
         assert_steps_monotone(run_folder, RUN["max_steps"])  # resumed at its checkpoint: every step once, in order
         browser.wait_for(f"Number(document.getElementById('chart-loss').dataset.points) === {RUN['max_steps']}", 30)
+        assert [js(browser, f"document.getElementById('{chart}').dataset.points")  # every step's row, resumed too
+                for chart in ("chart-lr", "chart-grad", "chart-tps", "chart-memory")] == [str(RUN["max_steps"])] * 4
         assert text(browser, "run-step") == f"{RUN['max_steps']} of {RUN['max_steps']}"
         wait(browser, "document.querySelector('tr[data-run=\"tiny-chat\"]').dataset.state === 'finished'", 30, "train")
         assert pixels(screenshot(browser, "4-train-finished", scroll_to="run-panel", docs="train"), LOSS_LINE) > 40
