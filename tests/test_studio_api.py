@@ -32,7 +32,8 @@ from gpt4all_training.cli.main import main
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.studio.app import StudioSettings, create_app
-from gpt4all_training.studio.configs import ACCELERATE_DIR, PRESETS_DIR
+from gpt4all_training.studio import actions
+from gpt4all_training.studio.configs import ACCELERATE_DIR, EVAL_SUITE_DIR, PRESETS_DIR
 from gpt4all_training.studio.runs import RECORD_FILE, Launch, commands, overlapping, run_info
 from gpt4all_training.studio.supervise import EXIT_FILE, LOG_FILE
 from gpt4all_training.studio.workdir import Workdir
@@ -258,7 +259,7 @@ def test_requests_for_another_host_or_from_another_site_are_403(client):
 # ---------------------------------------------------------------- jobs and runs with bad input
 
 
-def test_jobs_refuse_bad_input_at_once_or_fail_with_the_clis_line(client, workdir):
+def test_jobs_refuse_bad_input_at_once_or_fail_with_the_clis_line(client, workdir, cleaned):
     assert client.post("/api/jobs/export", json={"source": "models/tiny", "to": "exports/x", "format": "zip"}
                        ).json() == {"error": "error: format: must be hf or gguf, got 'zip'"}
     assert client.post("/api/jobs/eval", json={"models": ["models/tiny"], "tasks": [], "name": "x"}
@@ -279,6 +280,15 @@ def test_jobs_refuse_bad_input_at_once_or_fail_with_the_clis_line(client, workdi
     response = client.post("/api/chat", json={"model": "models/tiny", "messages": [{"role": "robot",
                                                                                    "content": "hi"}]})
     assert response.status_code == 400 and response.json()["error"].startswith("error: messages.0.role")
+
+
+def test_an_evaluation_runs_on_the_studios_device_and_its_command_says_so(workdir):
+    commands, _ = actions.eval_job(Workdir(workdir), ["models/tiny", "runs/x/final"], ["gpt4all_arithmetic_choice"],
+                                   "device", limit=2, device="cpu")
+    assert commands == [f"gpt4all-training eval --model {model} --tasks gpt4all_arithmetic_choice --include-path "
+                        f"{EVAL_SUITE_DIR} --limit 2 --device cpu --output eval/device/{label}{compare}"
+                        for model, label, compare in (("models/tiny", "before", ""), ("runs/x/final", "after",
+                                                      " --compare eval/device/before/results.json"))]
 
 
 def test_a_run_of_an_invalid_or_missing_config_is_refused(client):
