@@ -34,7 +34,7 @@ from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.studio.app import StudioSettings, create_app
 from gpt4all_training.studio import actions
 from gpt4all_training.studio.configs import ACCELERATE_DIR, EVAL_SUITE_DIR, PRESETS_DIR
-from gpt4all_training.studio.runs import RECORD_FILE, Launch, commands, overlapping, run_info
+from gpt4all_training.studio.runs import RECORD_FILE, Launch, RunConflict, Runs, commands, overlapping, run_info
 from gpt4all_training.studio.supervise import EXIT_FILE, LOG_FILE
 from gpt4all_training.studio.workdir import Workdir
 
@@ -327,6 +327,11 @@ def test_a_second_run_while_one_is_running_is_409_and_starts_nothing(client, wor
                 "error": "error: run api is running on 0: one run at a time per device; stop it, choose other "
                          "devices, or allow concurrent runs"})
         assert not (workdir / "runs" / "other").exists() and sorted(p.name for p in busy.iterdir()) == [RECORD_FILE]
+        runs = Runs(Workdir(workdir))  # what would start (without starting it): other devices, or when asked
+        for beside in (Launch("configs/other.yaml", devices="1"), Launch("configs/other.yaml", allow_concurrent=True)):
+            assert runs.check_conflicts(beside, "other") is None
+        with pytest.raises(RunConflict):
+            runs.check_conflicts(Launch("configs/api.yaml", allow_concurrent=True), "api")  # never the same run twice
     finally:
         sleeper.kill()
         sleeper.wait()
