@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import numpy as np
 import yaml
 
 from support.files import dolly_texts

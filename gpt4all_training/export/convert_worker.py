@@ -38,7 +38,7 @@ def convert(job: dict) -> None:
     except NotImplementedError:
         fail(f"llama.cpp's converter does not support the architecture {architecture}")
 
-    class Converter(model_class):  # the converter's own class, with our additions
+    class Converter(model_class):  # type: ignore[valid-type,misc]  # the converter's own class, with our additions
         model_arch = model_class.model_arch
 
         def __init__(self, *args, **kwargs):

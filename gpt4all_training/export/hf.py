@@ -272,6 +272,7 @@ def load_source(source: str, base: str | None = None) -> ExportSource:
         model, base_name = load_model(str(path), dtype=torch.float32), str(path)
     elif has_weights(model_dir) and is_adapter_folder(str(model_dir)):
         base_name = base_name or default_base(model_dir, run.config)
+        assert base_name is not None  # an adapter folder names its base
         model = merge_adapter(base_name, model_dir)
     elif has_weights(model_dir):
         model = load_model(str(model_dir), dtype=torch.float32)

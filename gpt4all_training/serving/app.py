@@ -126,7 +126,8 @@ class Guard:
     @staticmethod
     async def read_body(receive) -> Optional[bytes]:
         """The whole body, or None once it passes MAX_BODY_BYTES."""
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -237,6 +238,7 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
         check_model(body.model)
         messages, tools = body.conversation()
         ids = [render(encoder, messages, tools)]
+        assert encoder is not None  # render refused the request: the tokenizer has no chat template
         key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as long as the context allows
