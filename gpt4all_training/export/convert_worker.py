@@ -23,6 +23,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def convert(job: dict) -> None:
@@ -77,7 +78,7 @@ def convert(job: dict) -> None:
                  f"(copy the base model's tokenizer.model into the folder you export)")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 

@@ -175,6 +175,7 @@ def sentencepiece_model(tokenizer, sources: Sequence[str | None] = ()) -> Path |
     for source in (getattr(tokenizer, "name_or_path", None), *sources):
         if not source:
             continue
+        candidate: Path | None
         if Path(source).is_dir():
             candidate = Path(source) / "tokenizer.model"
         elif Path(source).exists() or source.count("/") != 1:  # a file (a GGUF base), or not a Hub id

@@ -415,7 +415,8 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
         raise UserError(f"--dtype {dtype}: --format gguf takes one of {', '.join(TYPES)}")
     out = Path(to)
     check_output_folder(out)  # before the slow load
-    config = local_config(Path(resolved_name(source)), base)  # a broken or foreign config.json: one line, before the slow load
+    # A broken or foreign config.json: one line, before the slow load.
+    config = local_config(Path(resolved_name(source)), base)
     if fmt == "gguf" and config is not None:
         check_architecture(config, dtype)  # refuse before loading weights
     loaded = load_source(source, base)
