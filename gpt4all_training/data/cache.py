@@ -48,7 +48,12 @@ PROBE = ["Hello world\n", " a b", "<|endoftext|><|im_start|>"]
 def tokenizer_fingerprint(tokenizer) -> str:
     """SHA-256 of what decides how `tokenizer` encodes text and renders prompts."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    model = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    if backend is not None:
+        # Without the padding and truncation the last call left in the backend: they decide no stored token.
+        model = json.dumps({key: value for key, value in json.loads(backend.to_str()).items()
+                            if key not in ("padding", "truncation")}, sort_keys=True)
+    else:
+        model = json.dumps(sorted(tokenizer.get_vocab().items()))
     described = {"class": type(tokenizer).__name__, "model": model, "chat_template": tokenizer.chat_template,
                  "special_tokens": tokenizer.special_tokens_map,
                  "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
