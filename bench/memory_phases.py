@@ -1,8 +1,8 @@
 """Peak RSS after each phase of our training run: `python bench/memory_phases.py [smollm2|smollm2-full]`.
 
-Wraps `loop.train`'s phases (build_model, prepare, every train_step, finish_run, save_final) and prints the process's
-current and peak RSS before and after each, for a packed fp32 run of 3 steps with the model's bench settings: where
-in a run the peak memory is taken.
+Wraps `loop.train`'s phases (the objective's build_model, prepare, every train_step, finish_run, save_final) and prints
+the process's current and peak RSS before and after each, for a packed fp32 run of 3 steps with the model's bench
+settings: where in a run the peak memory is taken.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ def main() -> None:
     import gpt4all_training.training.final as final
     import gpt4all_training.training.loop as loop
     from gpt4all_training.config.loader import load_config
+    from gpt4all_training.training.objectives.sft import FineTuning
 
-    for name in ("build_model", "prepare", "train_step", "finish_run"):
+    traced(FineTuning, "build_model")
+    for name in ("prepare", "train_step", "finish_run"):
         traced(loop, name)
     traced(final, "save_final")
     harness.MODELS[kind]["dtype"] = "float32"

@@ -142,7 +142,7 @@ class StepProfile:
 
 def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfile) -> dict[str, Any]:
     import gpt4all_training.training.loop as loop
-    import gpt4all_training.training.objectives as objectives
+    import gpt4all_training.training.objectives.sft as sft_objective
     from gpt4all_training.config.loader import load_config
 
     steps_log: list[tuple[float, ...]] = []
@@ -161,8 +161,8 @@ def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfil
 
     loop.train_step = timed_train_step
     if variant == "gpt4all":  # the sft objective's tokenization and batches, replaced by theirs
-        objectives.load_data = gpt4all_load_data
-        objectives.batch_fetcher = lambda packing, max_length: gpt4all_fetch
+        sft_objective.load_data = gpt4all_load_data
+        sft_objective.batch_fetcher = lambda packing, max_length: gpt4all_fetch
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + OURS_EXTRA[variant]))
     return summarize(steps_log, started[0], harness.peak_memory_mb(), out / "final", kind)

@@ -7,6 +7,9 @@ end-of-turn text after it, tokenize the text with offsets and label every token 
 parity properties compare against `apply_chat_template(tokenize=True, sanitize_control_tokens=True)` of each
 conversation's first k messages, which is what inference encodes.
 
+Reasoning (last section) is checked the same way on Qwen3's templates (tests/support/templates.py), which write a
+turn's reasoning only while no user message follows it, and on ChatML with a <think> block in the content.
+
 Three tokenizers: SmolLM2-135M-Instruct's (ChatML with a default system message; eos = <|im_end|>; slow to load the
 first time), the session BPE tokenizer with ChatML tokens and template (`chat_tokenizer`: eos = <|endoftext|>, so the
 end-of-turn token is not EOS), and the session BPE tokenizer with Llama 2's [INST] template (bos = eos, stripped
@@ -20,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.files import write_jsonl
 from support.models import CHAT_TEMPLATE
+from support.templates import expected_example, family_tokenizer, reasoning_conversation
 
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.config.blocks import validate
@@ -373,3 +377,72 @@ def test_messages_that_gain_a_key_past_the_first_10_mb_still_load(tmp_path):
     records = load_records(str(tmp_path))
     assert len(records) == 5501 and records[-1]["messages"] == rows[-1]["messages"]
     assert records[0]["messages"] == rows[0]["messages"]
+
+
+# ---------------------------------------------------------------- reasoning
+
+CALL_ROME = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>'
+# The trained text of reasoning_conversation() per family and train_reasoning.
+REASONING_TRAINED = {
+    ("qwen3", True): [f"<think>\nI should look up the weather.\n</think>\n\n{CALL_ROME}",
+                      "<think>\n25 degrees is warm.\n</think>\n\nYes, 25 degrees.<|im_end|>"],
+    ("qwen3", False): ["<think>\n", f"\n</think>\n\n{CALL_ROME}", "<think>\n", "\n</think>\n\nYes, 25 degrees.<|im_end|>"],
+    ("qwen3-thinking", True): [f"I should look up the weather.\n</think>\n\n{CALL_ROME}",
+                               "25 degrees is warm.\n</think>\n\nYes, 25 degrees.<|im_end|>"],
+    ("qwen3-thinking", False): [f"\n</think>\n\n{CALL_ROME}", "\n</think>\n\nYes, 25 degrees.<|im_end|>"],
+}
+
+
+@pytest.mark.parametrize("train_reasoning", [True, False], ids=["train", "mask"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-thinking"])
+def test_reasoning_trains_as_the_template_writes_each_turn(tokenizer_dir, tmp_path, family, train_reasoning):
+    """Qwen3 writes the reasoning of the turns after the last user message only (the first answer's is dropped
+    once the next question follows): those turns train with their reasoning, found turn by turn from each prefix's
+    rendering; the first answer is context, as the template writes it where inference would have the model think.
+    With train_reasoning false the reasoning's tokens are context too. Thinking-2507's generation prompt opens the
+    <think> block itself, so its turns train from inside it."""
+    tokenizer = family_tokenizer(tokenizer_dir, family)
+    record = reasoning_conversation()
+    write_jsonl(tmp_path / "think_clean.jsonl", [{**record, "source": "t"}])
+    config = validate(TrainConfig(model_name="m", dataset_path=str(tmp_path), val_fraction=0.0, num_proc=1,
+                                  max_length=4096, train_reasoning=train_reasoning))
+    (train, _), _ = load_data(config, tokenizer)
+    row = train[0]
+    assert (row["input_ids"], row["labels"]) == expected_example(tokenizer, record, {3, 5}, "<|im_end|>",
+                                                                 train_reasoning)
+    assert trained_text(tokenizer, row) == REASONING_TRAINED[family, train_reasoning]
+
+
+@pytest.mark.parametrize("train_reasoning", [True, False], ids=["train", "mask"])
+def test_a_think_block_in_the_content_trains_with_any_template(chat_tokenizer, train_reasoning):
+    """ChatML writes the content as it is: the <think> block is part of the answer, and its reasoning is context
+    with train_reasoning false."""
+    record = {"messages": [{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4."},
+                           {"role": "user", "content": "3+3?"},
+                           {"role": "assistant", "content": "<think>\nThree and three.\n</think>\n\n6."}]}
+    out = tokenized_conversations({"messages": [record["messages"]]}, chat_tokenizer, 512, "all", train_reasoning)
+    row = {key: values[0] for key, values in out.items()}
+    assert (row["input_ids"], row["labels"]) == expected_example(chat_tokenizer, record, {1, 3}, "<|im_end|>",
+                                                                 train_reasoning)
+    assert trained_text(chat_tokenizer, row) == (
+        ["<think>\nTwo and two.\n</think>\n\n4.<|im_end|>", "<think>\nThree and three.\n</think>\n\n6.<|im_end|>"]
+        if train_reasoning else ["<think>\n", "\n</think>\n\n4.<|im_end|>", "<think>\n", "\n</think>\n\n6.<|im_end|>"])
+
+
+@pytest.mark.parametrize("family", ["deepseek-r1", "chatml"])
+def test_a_template_that_leaves_the_reasoning_out_is_refused(tokenizer_dir, chat_tokenizer, tmp_path, family):
+    """DeepSeek-R1's template drops every turn's reasoning, even the last one's; ChatML has no place for
+    reasoning_content. Either would train the answers without the reasoning the data holds."""
+    tokenizer = chat_tokenizer if family == "chatml" else family_tokenizer(tokenizer_dir, family)
+    thinking = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."} if family == "chatml"
+                else {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4."}]
+    write_jsonl(tmp_path / "think_clean.jsonl", [{"messages": thinking, "source": "t"}] * 3)
+    config = validate(TrainConfig(model_name="m", dataset_path=str(tmp_path), val_fraction=0.0, num_proc=1))
+    with pytest.raises(UserError) as error:
+        load_data(config, tokenizer)
+    assert str(error.value) == (f"chat_template: it does not render the reasoning of 3 conversations (first: "
+                                f"{tmp_path / 'think_clean.jsonl'}:1), so they would train without them; use a chat "
+                                f"template that renders them (chat_template: path/to/template.jinja) or leave them out "
+                                f"of the data")

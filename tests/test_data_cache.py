@@ -14,7 +14,7 @@ from support.models import CHAT_TEMPLATE
 import gpt4all_training.data.cache as cache
 import gpt4all_training.data.sft as sft
 from gpt4all_training.config.loader import load_config
-from gpt4all_training.training.objectives import FineTuning
+from gpt4all_training.training.objectives.sft import FineTuning
 
 ROWS = [{"prompt": f"What is {i} plus {i}?", "response": f"{2 * i}.", "source": "t"} for i in range(60)]
 
@@ -34,7 +34,7 @@ def tokenizations(monkeypatch):
         calls.append(1)
         return load_data(*args, **kwargs)
 
-    monkeypatch.setattr("gpt4all_training.training.objectives.load_data", counted)
+    monkeypatch.setattr("gpt4all_training.training.objectives.sft.load_data", counted)
     return calls
 
 

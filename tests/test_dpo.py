@@ -2,7 +2,8 @@
 and against TRL's DPOTrainer, batch/accumulation parity, learning a preference rule, exact resume, pair tokenization
 with the masks sft uses, the config's refusals and bad preference data.
 
-Everything runs in this process: the loop's own pieces (objective_for, build_model, prepare, train_step) or train().
+Everything runs in this process: the loop's own pieces (objective_for, the objective's build_model, prepare,
+train_step) or train().
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gpt4all_training.data.chat import tokenized_conversations
 from gpt4all_training.data.pairs import load_preference_records, tokenize_message_pairs, tokenize_text_pairs
 from gpt4all_training.data.sft import tokenize_batch
 from gpt4all_training.errors import UserError
-from gpt4all_training.training.loop import build_model, prepare, train
+from gpt4all_training.training.loop import prepare, train
 from gpt4all_training.training.objectives import objective_for
 from gpt4all_training.training.step import train_step
 
@@ -90,7 +91,7 @@ def prepared(config: TrainConfig, tokenizer) -> Prepared:
     objective = objective_for(config)
     data = objective.load_data(config, tokenizer, lambda line: None, 1)
     torch.manual_seed(config.seed)
-    model = build_model(objective, config, tokenizer, backend)
+    model = objective.build_model(config, tokenizer, backend)
     model, optimizer, scheduler = prepare(model, config, backend, config.max_steps)
     objective.before_training(model, data, backend, tokenizer.pad_token_id, lambda line: None)
     model.train()

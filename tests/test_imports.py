@@ -3,7 +3,11 @@
 - no cycle among the package's modules, counting imports inside functions too;
 - nothing imports upward against the pipeline's layers (LAYERS below), and nothing imports the CLI;
 - our own modules are imported at module top, never inside a function (third-party packages may be imported
-  lazily; the CLI's subcommand table names its modules as strings for importlib, which is not an import statement).
+  lazily; the CLI's subcommand table names its modules as strings for importlib, which is not an import statement);
+- the objective is chosen once: no `.objective` attribute outside config/ and training/objectives/ (everything else
+  asks the object `objective_for(config)` returns);
+- only backends/ knows which backend runs: elsewhere no accelerate DistributedType, no device compared with "xla",
+  no DeepSpeed `ds_*` parameter attribute; the code asks the backend what it supports instead.
 
 Each rule reports every violation at once, each naming the importing file and line and the module it imports.
 The last tests plant each kind of violation in a small package under tmp_path and check that it is caught.
@@ -21,7 +25,7 @@ from support.paths import REPO
 
 PACKAGE = "gpt4all_training"
 # Which layers each layer may import, besides its own modules. cli may import everything; no layer lists cli.
-FOUNDATIONS = {"config", "batch", "errors", "files", "readers"}
+FOUNDATIONS = {"config", "batch", "errors", "files", "readers", "paths"}
 COMPONENTS = {"data", "model", "backends", "tracking"}
 STAGES = {"preflight", "analysis", "generation", "export", "evaluation", "serving"}
 LAYERS: dict[str, set[str]] = {
@@ -31,11 +35,12 @@ LAYERS: dict[str, set[str]] = {
     **{stage: {"training", *COMPONENTS, *FOUNDATIONS} for stage in STAGES},
     "training": {*COMPONENTS, *FOUNDATIONS},
     **{component: FOUNDATIONS for component in COMPONENTS},
-    "config": {"errors", "files", "readers"},
+    "config": {"errors", "files", "readers", "paths"},
     "batch": set(),
     # The lowest layer beside errors, importable by every layer: crash-safe files, and the readers of input files.
     "files": {"errors"},
     "readers": {"errors"},
+    "paths": {"errors"},
     "errors": set(),
 }
 
@@ -199,6 +204,80 @@ def lazy_imports(root: Path, package: str) -> list[str]:
             for edge in import_edges(root, package) if edge.lazy]
 
 
+# Where `.objective` may be written or read: the config that declares it, and the package that acts on it.
+OBJECTIVE_READERS = ("config", "training/objectives")
+
+
+def objective_reads(root: Path, package: str) -> list[str]:
+    """Every `.objective` attribute (read, written or deleted) in the package outside OBJECTIVE_READERS."""
+    allowed = tuple(root / package / folder for folder in OBJECTIVE_READERS)
+    problems = []
+    for path in sorted((root / package).rglob("*.py")):
+        if any(path.is_relative_to(folder) for folder in allowed):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        lines = sorted(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                       and node.attr == "objective")
+        problems += [f"{path.relative_to(root).as_posix()}:{line} uses .objective (ask the object "
+                     f"objective_for(config) returns)" for line in lines]
+    return problems
+
+
+class BackendSniffing(ast.NodeVisitor):
+    """Where one file asks which backend runs: accelerate's DistributedType (or an Accelerator's distributed_type),
+    a device type compared with "xla", DeepSpeed's ds_* attributes of a parameter (read directly or by name)."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[int, str]] = []
+
+    def add(self, node: ast.AST, what: str) -> None:
+        self.found.append((node.lineno, what))
+
+    def visit_ImportFrom(self, node):
+        if any(alias.name == "DistributedType" for alias in node.names):
+            self.add(node, "imports DistributedType")
+
+    def visit_Name(self, node):
+        if node.id == "DistributedType":
+            self.add(node, "names DistributedType")
+
+    def visit_Attribute(self, node):
+        if node.attr in ("DistributedType", "distributed_type"):
+            self.add(node, f"reads .{node.attr}")
+        elif node.attr.startswith("ds_"):
+            self.add(node, f"uses DeepSpeed's .{node.attr}")
+        self.generic_visit(node)
+
+    def visit_Call(self, node):
+        named = node.args[1] if len(node.args) >= 2 else None
+        if isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr") and \
+                isinstance(named, ast.Constant) and str(named.value).startswith("ds_"):
+            self.add(node, f"uses DeepSpeed's .{named.value}")
+        self.generic_visit(node)
+
+    def visit_Compare(self, node):
+        operands = []
+        for operand in (node.left, *node.comparators):
+            operands += operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        if any(isinstance(o, ast.Constant) and o.value == "xla" for o in operands) and \
+                any(isinstance(o, ast.Attribute) and o.attr == "type" for o in operands):
+            self.add(node, 'compares a device type with "xla"')
+        self.generic_visit(node)
+
+
+def backend_sniffing(root: Path, package: str) -> list[str]:
+    """Every place outside backends/ that asks which backend runs, by file and line."""
+    problems = []
+    for name, path in modules_of(root, package).items():
+        if layer_of(name) == "backends":
+            continue
+        finder = BackendSniffing()
+        finder.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+        problems += [f"{path.relative_to(root).as_posix()}:{line} {what} (only backends/ knows which backend runs: "
+                     f"ask the backend what it supports)" for line, what in sorted(finder.found)]
+    return problems
+
+
 def fail_on(problems: list[str]) -> None:
     if problems:
         pytest.fail(f"{len(problems)} violation(s):\n" + "\n".join(problems), pytrace=False)
@@ -214,6 +293,14 @@ def test_nothing_imports_upward_against_the_layers():
 
 def test_our_own_modules_are_imported_at_module_top():
     fail_on(lazy_imports(REPO, PACKAGE))
+
+
+def test_only_config_and_the_objectives_read_the_objective():
+    fail_on(objective_reads(REPO, PACKAGE))
+
+
+def test_only_backends_know_which_backend_runs():
+    fail_on(backend_sniffing(REPO, PACKAGE))
 
 
 # ---------------------------------------------------------------- the checker on planted violations
@@ -278,3 +365,53 @@ def test_planted_upward_and_sideways_imports_and_an_import_of_the_cli_are_named(
         "gpt4all_training/training/loop.py:3 imports gpt4all_training.cli.main (nothing imports cli)",
     ]
     assert lazy_imports(root, PACKAGE) == []
+
+
+def test_planted_objective_reads_outside_config_and_the_objectives_are_named(tmp_path):
+    root = write_package(tmp_path, {
+        "gpt4all_training/config/schemas.py": "def dpo(config):\n    return config.objective == 'dpo'\n",
+        "gpt4all_training/training/objectives/__init__.py": "def name(config):\n    return config.objective\n",
+        "gpt4all_training/training/objectives_old.py": "def name(config):\n    return config.objective\n",
+        "gpt4all_training/preflight/check.py": """\
+            def pairs(config):
+                sequences = 2 if config.objective == "dpo" else 1
+                return sequences
+
+            def rename(config):
+                config.objective = "sft"
+            """,
+        "gpt4all_training/cli/data.py": "def name(args, config):\n    return getattr(config, 'name', args.objective)\n",
+    })
+    reason = "uses .objective (ask the object objective_for(config) returns)"
+    assert objective_reads(root, PACKAGE) == [f"gpt4all_training/{where} {reason}" for where in (
+        "cli/data.py:2", "preflight/check.py:2", "preflight/check.py:6", "training/objectives_old.py:2")]
+
+
+def test_planted_backend_sniffing_is_named_and_backends_may_do_it(tmp_path):
+    """What training/loss.py, model/parameters.py and a loop once did, each outside backends/, and the same code
+    inside backends/, where it belongs."""
+    sniffing = """\
+        from accelerate.utils import DistributedType
+
+        def head(model, batch, accelerator, param):
+            if accelerator.distributed_type == DistributedType.DEEPSPEED:
+                return None
+            found = None if batch["input_ids"].device.type == "xla" else model
+            if param.device.type in ("cpu", "xla") or hasattr(param, "ds_id"):
+                return getattr(param, "ds_numel", param.numel())
+            return param.ds_tensor.numel()
+        """
+    root = write_package(tmp_path, {"gpt4all_training/training/loss.py": sniffing,
+                                    "gpt4all_training/backends/deepspeed.py": sniffing})
+    where = "gpt4all_training/training/loss.py"
+    because = "(only backends/ knows which backend runs: ask the backend what it supports)"
+    assert backend_sniffing(root, PACKAGE) == [
+        f"{where}:1 imports DistributedType {because}",
+        f"{where}:4 names DistributedType {because}",
+        f"{where}:4 reads .distributed_type {because}",
+        f'{where}:6 compares a device type with "xla" {because}',
+        f'{where}:7 compares a device type with "xla" {because}',
+        f"{where}:7 uses DeepSpeed's .ds_id {because}",
+        f"{where}:8 uses DeepSpeed's .ds_numel {because}",
+        f"{where}:9 uses DeepSpeed's .ds_tensor {because}",
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpt4all_training.backends.deepspeed import zero3_shape
 from gpt4all_training.model.parameters import param_groups
 
 
@@ -35,10 +36,11 @@ def test_matrices_decay_and_biases_norms_and_embeddings_do_not():
 
 
 def test_a_zero3_partition_is_grouped_by_its_real_shape():
-    """Under ZeRO-3 every parameter is a flat partition; ds_shape keeps the shape it had."""
+    """Under ZeRO-3 every parameter is a flat partition; ds_shape keeps the shape it had, which DeepSpeed's backend
+    gives as the parameter's shape."""
     model = Block()
     for param in model.parameters():
         param.ds_shape = param.shape
         param.data = param.data.reshape(-1)
-    assert group_names(model, param_groups(model, weight_decay=0.1)) == [
+    assert group_names(model, param_groups(model, weight_decay=0.1, shape=zero3_shape)) == [
         ["mixing", "proj.weight"], ["scale", "embed.weight", "proj.bias", "norm.weight", "norm.bias"]]

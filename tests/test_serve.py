@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -125,6 +126,62 @@ def test_a_full_queue_refuses_the_next_request(chat_tokenizer):
         loop.close()
 
 
+# ---------------------------------------------------------------- tools and reasoning, pure
+
+# (reply, whether the prompt opened a <think> block, the reasoning and content a client gets)
+REPLIES = [
+    ("<think>\nSix times seven.\nThat is 42.\n</think>\n\nIt is 42.", False, ("Six times seven.\nThat is 42.",
+                                                                           "It is 42.")),
+    ("It is 42.", False, ("", "It is 42.")),
+    ("<thi", False, ("", "<thi")),
+    ("A <think> later is text.", False, ("", "A <think> later is text.")),
+    ("<think>\nCut off before the end\n", False, ("Cut off before the end", "")),
+    ("Opened by the prompt.\n</think>\n\nDone.", True, ("Opened by the prompt.", "Done.")),
+    ("\n</think>\n\nNo thought.", True, ("", "No thought.")),
+]
+
+
+@pytest.mark.parametrize("reply, opened, expected", REPLIES)
+def test_a_reply_s_reasoning_comes_apart_from_its_content_whole_and_streamed(reply, opened, expected):
+    """Streamed in pieces of every size from 1 to 4 characters, the deltas join to the whole reply's split."""
+    from gpt4all_training.serving.protocol import ChatShapes
+
+    message = ChatShapes(opened).choice(0, reply, "stop")["message"]
+    assert (message.get("reasoning_content", ""), message["content"]) == expected
+    for size in range(1, 5):
+        shapes = ChatShapes(opened)
+        pieces = [reply[i:i + size] for i in range(0, len(reply), size)]
+        deltas = [shapes.delta(0, piece, None)["delta"] for piece in pieces] + [shapes.delta(0, "", "stop")["delta"]]
+        assert ("".join(d.get("reasoning_content", "") for d in deltas),
+                "".join(d.get("content", "") for d in deltas)) == expected
+
+
+def test_tool_requests_are_checked_as_training_checks_records():
+    """Arguments must be a JSON object (decoded once, here as in training), tools OpenAI's function tools; a
+    tool_choice that would force a call is refused, as are the legacy function fields."""
+    call = {"id": "call00001", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    messages = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call00001", "content": "12:00"}]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    body = parse(ChatRequest, json.dumps({"model": "m", "messages": messages, "tools": tools}).encode())
+    assert body.conversation() == ([messages[0], {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call00001"}], tools)
+    bad_arguments = json.loads(json.dumps(messages))
+    bad_arguments[1]["tool_calls"][0]["function"]["arguments"] = "{zone: UTC}"
+    for extra, param, message in [
+        ({"messages": bad_arguments}, "messages", "messages.1: tool call 1: its arguments are not valid JSON "
+                                                  "(Expecting property name enclosed in double quotes at character 1)"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools",
+         'tools: tool 1 is not {"type": "function", "function": {"name", ...}}'),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+         "tool_choice: this server does not force tool calls; send auto or none"),
+    ]:
+        with pytest.raises(APIError) as caught:
+            parse(ChatRequest, json.dumps({"model": "m", "messages": messages, **extra}).encode())
+        assert (caught.value.status, caught.value.param, caught.value.message) == (400, param, message)
+
+
 # ---------------------------------------------------------------- one real server for the rest
 
 @dataclass
@@ -183,23 +240,28 @@ def chat_model_dir(chat_tokenizer, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def server(chat_model_dir, tmp_path_factory):
+def start_server(model_dir: Path, tmp_path_factory, max_prompt_tokens: int = 256) -> Iterator[Server]:
+    """`serve` on `model_dir` in a subprocess, ready; stopped when the generator closes."""
     key = secrets.token_hex(16)
     port = free_port()
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SERVE_TEST_KEY": key}
-    command = [PYTHON, "-m", "gpt4all_training.cli", "serve", "--model", str(chat_model_dir), "--port", str(port),
+    command = [PYTHON, "-m", "gpt4all_training.cli", "serve", "--model", str(model_dir), "--port", str(port),
                "--api-key-env", "SERVE_TEST_KEY", "--max-batch-size", "8", "--max-tokens-cap", "64",
-               "--max-prompt-tokens", "256", "--log-prompts"]
+               "--max-prompt-tokens", str(max_prompt_tokens), "--log-prompts"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until_ready(process, url, log)
-        yield Server(process, url, key, str(chat_model_dir), log)
+        yield Server(process, url, key, str(model_dir), log)
     finally:
         stop(process)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir, tmp_path_factory):
+    yield from start_server(chat_model_dir, tmp_path_factory)
 
 
 def complete(server: Server, prompt: str, **options) -> str:
@@ -326,6 +388,63 @@ def test_secrets_in_any_string_field_of_a_request_never_reach_the_log(server):
     assert token not in log and server.key not in log
     assert "prompt='say *** ***'" in log
 
+
+# ---------------------------------------------------------------- tools and reasoning, served
+
+@pytest.fixture(scope="module")
+def thinking_client(tokenizer_dir):
+    """The official client on the app (in this process: starlette's TestClient is its HTTP client) over the tiny
+    GPT-J with Qwen3 Thinking-2507's template: it renders tools, tool calls and reasoning, and its generation prompt
+    opens the <think> block, so a reply starts as reasoning."""
+    from openai import OpenAI
+    from starlette.testclient import TestClient
+    from support.templates import family_tokenizer
+
+    from gpt4all_training.serving.app import ServeSettings, create_app, eos_ids
+
+    tokenizer = family_tokenizer(tokenizer_dir, "qwen3-thinking")
+    model = build_tiny_gptj(tokenizer, seed=3).eval()
+    engine = Engine(model, tokenizer, eos_ids(model, tokenizer), max_batch_size=4, max_queue=8)
+    app = create_app(engine, tokenizer, ServeSettings(model_id="thinking", max_tokens_cap=64, max_prompt_tokens=512),
+                     512)
+    with TestClient(app, base_url="http://testserver/v1") as http:
+        yield OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+THINKING_REQUEST = {
+    "messages": [{"role": "user", "content": "What time is it in Tokyo?"},
+                 {"role": "assistant", "content": None, "reasoning_content": "I need the clock.", "tool_calls": [
+                     {"id": "call00002", "type": "function",
+                      "function": {"name": "get_time", "arguments": '{"zone": "Asia/Tokyo"}'}}]},
+                 {"role": "tool", "tool_call_id": "call00002", "name": "get_time", "content": '{"time": "09:30"}'}],
+    "tools": [{"function": {"parameters": {"properties": {"zone": {"type": "string"}}, "type": "object"},
+                            "name": "get_time"}, "type": "function"}]}
+
+
+def test_a_tool_conversation_is_served_from_training_s_ids_with_the_reasoning_apart(thinking_client, tokenizer_dir):
+    """The request's tools, tool call (its reasoning included) and tool result are encoded as training encodes the
+    same conversation (the prompt's token count is theirs, and the greedy reply is the completion of their text);
+    the reply, which the prompt opened inside <think>, comes back as reasoning_content, streamed the same."""
+    from support.templates import decoded, family_tokenizer
+
+    from gpt4all_training.serving.reasoning import split_reasoning
+
+    tokenizer = family_tokenizer(tokenizer_dir, "qwen3-thinking")
+    [trained] = encode_for_generation(tokenizer, [decoded(THINKING_REQUEST["messages"])], [THINKING_REQUEST["tools"]])
+    reply = thinking_client.chat.completions.create(model="thinking", max_tokens=24, temperature=0,
+                                                    **THINKING_REQUEST)
+    assert reply.usage.prompt_tokens == len(trained)
+    completion = thinking_client.completions.create(model="thinking", prompt=tokenizer.decode(trained), max_tokens=24,
+                                                    temperature=0)
+    assert completion.usage.prompt_tokens == len(trained)
+    reasoning, content = split_reasoning(completion.choices[0].text, opened=True)
+    message = reply.choices[0].message
+    assert reasoning and (getattr(message, "reasoning_content", ""), message.content) == (reasoning, content)
+    chunks = list(thinking_client.chat.completions.create(model="thinking", max_tokens=24, temperature=0,
+                                                          stream=True, **THINKING_REQUEST))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == content
 
 @pytest.mark.integration
 def test_sigterm_lets_the_running_request_finish_then_exits(server):

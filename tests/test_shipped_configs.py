@@ -18,7 +18,8 @@ from support.paths import REPO
 from gpt4all_training.cli.offline import SOURCE_KEYS, named_sources, task_files, tasks_are_local
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import GenerateConfig, InferenceConfig, TokenizerConfig, TrainConfig
-from gpt4all_training.model.names import PACKAGED_MODELS, looks_like_path, packaged_model
+from gpt4all_training.model.names import PACKAGED_MODELS, packaged_model
+from gpt4all_training.paths import looks_like_path
 
 KINDS = {"train": TrainConfig, "generate": GenerateConfig, "inference": InferenceConfig, "tokenizer": TokenizerConfig}
 CONFIGS = sorted(path.relative_to(REPO) for kind in KINDS for path in (REPO / "configs" / kind).glob("*.yaml"))

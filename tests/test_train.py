@@ -321,13 +321,13 @@ def test_a_training_error_leaves_signals_gc_tracker_and_progress_bar_as_they_wer
 
     from tqdm.auto import tqdm
 
-    import gpt4all_training.training.objectives as objectives
+    import gpt4all_training.training.objectives.sft as sft_objective
     from gpt4all_training.errors import TrainingError
     from gpt4all_training.tracking.tracker import Tracker
     from gpt4all_training.training.loop import train
 
-    real_loss = objectives.token_loss_sum
-    monkeypatch.setattr(objectives, "token_loss_sum", lambda model, batch: real_loss(model, batch) * float("nan"))
+    real_loss = sft_objective.token_loss_sum
+    monkeypatch.setattr(sft_objective, "token_loss_sum", lambda model, batch: real_loss(model, batch) * float("nan"))
     closed = []
     close = Tracker.close
     monkeypatch.setattr(Tracker, "close", lambda self: (closed.append(self.tensorboard is not None), close(self)))

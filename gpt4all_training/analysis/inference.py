@@ -53,6 +53,7 @@ from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_file, atomic_write, make_own_folder, remove_own_folder
 from gpt4all_training.model.loading import check_positions, load_model, model_config, tokenizer_for
 from gpt4all_training.model.trained import training_run_config
+from gpt4all_training.paths import require_dataset
 from gpt4all_training.training.loop import require_writable
 from gpt4all_training.training.loss import nll_sum
 
@@ -127,7 +128,8 @@ def load_examples(config: InferenceConfig, tokenizer) -> Examples:
         raise UserError(f"dataset_path {config.dataset_path}: no records")
     template = resolve_template(config.prompt_template, tokenizer)
     num_proc = effective_num_proc(config, len(records))
-    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns)
+    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns,
+                                         config.train_reasoning)
                         for raw in split_records(records, config.val_fraction, config.seed)]
     refuse_unrendered(tokenized_splits, config.dataset_path)  # as training does: never scored as empty answers
     kept = []
@@ -264,6 +266,8 @@ def check_training_split(config: InferenceConfig) -> None:
         return
     file, run = found
     differ = [key for key in SPLIT_KEYS if key in run and run[key] != getattr(config, key)]
+    if differ == ["seed"] and run.get("val_fraction") == config.val_fraction == 0:
+        return  # nothing is held out, so the seed splits nothing: every example is a training one either way
     if differ:
         raise UserError(f"model_name {config.model_name}: its training run split the data with "
                         f"{', '.join(f'{k}={run[k]}' for k in differ)} (see {file}), but this config has "
@@ -286,6 +290,7 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         check_training_split(config)
         output_dir = Path(config.output_dir)
         require_writable(output_dir)
+        require_dataset(config.dataset_path)
         tokenizer = tokenizer_for(config)
         check_positions(model_config(config.model_name, config.model_revision, config.gguf_file,
                                      config.trust_remote_code), config.max_length)  # before tokenising

@@ -2,8 +2,10 @@
 
 `backends.accelerate.build_backend` builds it once from the Accelerator: this class for one process or DDP (GPUs or
 CPUs), `DeepSpeedBackend` (backends/deepspeed.py), `FsdpBackend` (backends/fsdp.py) and `XlaBackend`
-(backends/xla.py) where those differ. Nothing outside backends/ asks which one it has; it asks what the backend
-supports (`supports_nan_skip`, `supports_grad_norms`, `engine_saves_state`, `partitions_parameters`, `exit_hard`).
+(backends/xla.py) where those differ. Nothing outside backends/ asks which one it has (tests/test_imports.py
+forbids it); it asks what the backend supports (`supports_nan_skip`, `supports_grad_norms`, `engine_saves_state`,
+`partitions_parameters`, `chunks_output_head`, `shards_quantized_base`, `exit_hard`) and how big a parameter is
+(`parameter_shape`, `held_elements`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class Backend:
     engine_name = ""
     # ZeRO-3, FSDP2: each rank holds only its partition of every parameter.
     partitions_parameters = False
+    # The loss may select the trained positions and project only them through the output head, chunk by chunk
+    # (training/loss.py): the head's weight is whole in this process, and a batch may take data-dependent shapes.
+    chunks_output_head = True
+    # Whether this backend can partition a quantized (bitsandbytes 4-bit or 8-bit) base across its ranks. None
+    # verified yet; a backend that partitions parameters and says False must refuse a quantized base.
+    shards_quantized_base = False
 
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator
@@ -114,6 +122,14 @@ class Backend:
         while hasattr(optimizer, "optimizer"):
             optimizer = optimizer.optimizer
         return optimizer
+
+    def parameter_shape(self, param: torch.Tensor) -> torch.Size:
+        """The whole parameter's shape, whatever part of it this process holds."""
+        return param.shape
+
+    def held_elements(self, param: torch.Tensor) -> int:
+        """How many of the parameter's elements this process holds."""
+        return param.numel()
 
     @property
     def scaler(self):

@@ -80,6 +80,17 @@ def fill_deepspeed_config(ds_config: dict[str, Any], config, world_size: int, so
 
 # ---------------------------------------------------------------- the backend
 
+def zero3_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape: under ZeRO-3 the tensor is a flat partition and DeepSpeed keeps the shape in
+    ds_shape (a parameter added after the model was built, such as a LoRA adapter's, is whole until prepare)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def zero3_held_elements(param: torch.Tensor) -> int:
+    """The elements of a parameter this rank holds: its partition (ds_tensor) under ZeRO-3, else all of them."""
+    return param.ds_tensor.numel() if hasattr(param, "ds_tensor") else param.numel()
+
+
 def _has_frozen_parameters(engine) -> bool:
     return any(not p.requires_grad for p in engine.module.parameters())
 
@@ -98,6 +109,15 @@ class DeepSpeedBackend(Backend):
         plugin = accelerator.state.deepspeed_plugin
         self.zero_stage = int(plugin.deepspeed_config["zero_optimization"].get("stage", 0))
         self.partitions_parameters = self.zero_stage == 3
+        # A ZeRO-3 head's weight is a partition that only the head's own forward gathers: the loss calls the whole
+        # head instead of reading its weight.
+        self.chunks_output_head = not self.partitions_parameters
+
+    def parameter_shape(self, param: torch.Tensor) -> torch.Size:
+        return zero3_shape(param)
+
+    def held_elements(self, param: torch.Tensor) -> int:
+        return zero3_held_elements(param)
 
     @property
     def exit_hard(self) -> bool:

@@ -24,6 +24,10 @@ def bucket_width(width: int) -> int:
 class XlaBackend(Backend):
     """The Accelerator on an XLA device; otherwise like one process or DDP."""
 
+    # Selecting the trained positions gives every batch a shape of its own, and XLA compiles a graph per shape: the
+    # loss projects every position through the whole head instead (fixed shapes, one graph per bucket).
+    chunks_output_head = False
+
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`batch` widened to its bucket, then on the XLA device: no recompiles for new widths."""
         width = batch["input_ids"].shape[1]

@@ -13,6 +13,8 @@ from gpt4all_training.data.sft import TRAINED_MARKS, dump_examples, load_data, s
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import writable_file
 from gpt4all_training.model.loading import tokenizer_for
+from gpt4all_training.paths import require_dataset
+from gpt4all_training.training.objectives import objective_for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,9 +28,11 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if args.dump:
         writable_file("--dump", args.dump, example="examples.jsonl")  # before the tokenization
-    if config.objective != "sft":
-        raise UserError(f"{args.config}: objective {config.objective}: `data` shows and dumps sft examples only; "
+    objective = objective_for(config)
+    if not objective.shows_examples:
+        raise UserError(f"{args.config}: objective {objective.name}: `data` shows and dumps sft examples only; "
                         f"`plan` counts this objective's tokens and `check` tries a step of it")
+    require_dataset(config.dataset_path)  # before the tokenizer, which may take a while to load
     tokenizer = tokenizer_for(config)
     (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
     start, end = TRAINED_MARKS

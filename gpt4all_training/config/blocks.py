@@ -145,6 +145,9 @@ class Examples(Block):
     train_turns: Literal["all", "last"] = doc("Conversations (records with messages): train every assistant turn "
                                               "('all') or only the last one ('last'). A message with \"train\": "
                                               "false is never trained.", "all", allowed="'all' or 'last'")
+    train_reasoning: bool = doc("Conversations with reasoning (an assistant turn's reasoning_content, or the <think> "
+                                "block its content opens with): train it as the chat template writes it (true), or "
+                                "keep it as context and train the answer only (false).", True)
 
     def checks(self) -> list[Check]:
         return [

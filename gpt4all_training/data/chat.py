@@ -7,17 +7,31 @@ prompt: the content, anything the template puts between it and the end-of-turn t
 itself. System, user and tool turns, role headers and what follows the end-of-turn token (ChatML's newline) are not
 trained. `train_turns: last` trains only the final assistant turn; a message with `"train": false` is never trained.
 
-The input ids are those of the whole rendered conversation, encoded as `apply_chat_template(messages, tokenize=True,
-sanitize_control_tokens=True)` encodes it: special-token text a user typed ("<|im_end|>" in a question) stays text,
-and only the template writes special tokens. The same encoding serves generation (`encode_conversations` with the
-generation prompt), so training and inference see the same ids: for every trained assistant turn k, the ids before
-it are the encoding of `messages[:k]` with the generation prompt. Where a template and tokenizer break that (a turn
-boundary that the tokenizer merges across), the conversation is dropped as `prefix_mismatch` rather than trained on
-ids inference never produces.
+The input ids are those of the whole rendered conversation, encoded as `apply_chat_template(messages, tools=tools,
+tokenize=True, sanitize_control_tokens=True)` encodes it with the special tokens as control tokens: special-token
+text a user typed ("<|im_end|>" in a question) stays text, and only the template writes special tokens; an added
+token that is not special (Qwen's <think>) is encoded as every inference engine encodes it. The same encoding serves
+generation (`encode_for_generation`, and `serve`), so training and inference see the same ids.
 
-A conversation whose tool calls, or whose messages of a role other than user and assistant, the template leaves out
-of its text (SmolLM2's writes only each message's content) would train a tool-call turn as an empty answer: it is
-marked `unrendered_<part>`, which data.py refuses in one line rather than drops (`unrendered_part`).
+Each trained turn k is found turn by turn, from the template's rendering of the prefix that ends at it: its context
+is the encoding of `messages[:k]` with the generation prompt, its text what the encoding of `messages[:k + 1]` adds
+after that. The turn is trained where the whole conversation holds exactly that context and that text; the whole
+rendering is not assumed to extend each prefix's. A template may write a turn differently once more follows it:
+Qwen3's drops the reasoning of every turn before the last user message (and writes an empty `<think>` block only in
+a last turn), Mistral's moves the tool definitions and the system message to the last user message. Such a turn,
+and a turn whose context the template rewrites so, is kept as context: trained, it would teach text in a place
+where inference never has the model write it. Where the text is the same but the tokenizer merges across the turn
+boundary, the conversation is dropped as `prefix_mismatch` rather than trained on ids inference never produces.
+
+Reasoning (an assistant turn's `reasoning_content`, or the `<think>...</think>` block its content opens with) is
+trained as the template renders it, with the turn's answer; with `train_reasoning: false` the tokens that the
+reasoning's text occupies are context instead (found as the tokens that change when only the reasoning changes), so
+only the template's markers around it, the answer and the end-of-turn token are trained.
+
+A conversation whose tool definitions, tool calls, reasoning or messages of a role other than user and assistant the
+template leaves out of its text (SmolLM2's writes only each message's content) would train without them (a tool-call
+turn as an empty answer): it is marked `unrendered_<part>`, which data.py refuses in one line rather than drops
+(`unrendered_part`), and `serve` answers 400.
 
 An over-long conversation loses whole rounds (a user turn and what answers it) from the start, the system message
 kept, until it fits; only a last round that alone is too long is cut at max_length, and its cut assistant turn gets
@@ -26,19 +40,26 @@ no end-of-turn label.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from gpt4all_training.batch import IGNORE
-from gpt4all_training.data.conversations import conversation_problem, trained
+from gpt4all_training.data.conversations import conversation_problem, template_messages, tools_problem, trained
 from gpt4all_training.errors import UserError
 
 # Private-use characters: transformers marks typed special tokens with two of them and strips any a user typed, so
 # text holding one goes the way apply_chat_template's own sanitizing goes.
 PRIVATE_USE = "\ue000-\uf8ff\U000f0000-\U000ffffd\U00100000-\U0010fffd"
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+# The reasoning a content opens with, as Qwen3's, DeepSeek-R1's and SmolLM3's templates and data write it.
+THINK_BLOCK = re.compile(r"\s*<think>(.*?)</think>", re.DOTALL)
+UNRENDERED = "unrendered_"  # the drop reason's prefix for a conversation the template writes only in part
+
+Messages = list[dict[str, Any]]
+Tools = Optional[list[dict[str, Any]]]
 
 
 @dataclass
@@ -53,8 +74,9 @@ class ConversationExample:
         return sum(label != IGNORE for label in self.labels)
 
 
-def conversation_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bool]] | str:
-    """A record's messages as the template reads them, and which turns are trained; or the drop reason.
+def conversation_messages(row: dict[str, Any]) -> tuple[Messages, list[bool]] | str:
+    """A record's messages as the template reads them (tool-call arguments decoded into objects), and which turns
+    are trained; or the drop reason.
 
     A prompt/response record (a dataset may mix both) is a user turn and an assistant turn. Keys a dataset column
     fills with None for the messages that lack them are left out, and so is our own `train`.
@@ -68,27 +90,74 @@ def conversation_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]], li
     problem = conversation_problem(present)
     if problem:
         return problem
-    return [{k: v for k, v in m.items() if k != "train"} for m in present], [trained(m) for m in present]
+    if row.get("tools") is not None and tools_problem(row["tools"]):
+        return "malformed_tools"
+    return template_messages([{k: v for k, v in m.items() if k != "train"} for m in present]), \
+        [trained(m) for m in present]
 
 
-def rounds_start(messages: list[dict[str, Any]]) -> list[int]:
+def conversation_tools(row: dict[str, Any]) -> Tools:
+    """The tool definitions a record offers the template, or None."""
+    return row.get("tools") or None
+
+
+def rounds_start(messages: Messages) -> list[int]:
     """Where each round begins: a user turn that does not follow another user turn."""
     return [i for i, m in enumerate(messages) if m["role"] == "user" and (i == 0 or messages[i - 1]["role"] != "user")]
 
 
-class ChatEncoder:
-    """Encodes conversations with a tokenizer's chat template (`apply_chat_template` with sanitized control tokens)
-    and labels their assistant turns."""
+def reasoning_of(message: dict[str, Any]) -> Optional[str]:
+    """An assistant turn's reasoning: its `reasoning_content`, else the <think> block its content opens with; None
+    when it has none."""
+    if message.get("role") != "assistant":
+        return None
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"] or None
+    block = THINK_BLOCK.match(message.get("content") or "")
+    return block.group(1) if block and block.group(1).strip() else None
 
-    def __init__(self, tokenizer):
+
+def with_reasoning(message: dict[str, Any], reasoning: str) -> dict[str, Any]:
+    """The assistant turn with `reasoning` in place of its own (where reasoning_of found it)."""
+    if isinstance(message.get("reasoning_content"), str):
+        return {**message, "reasoning_content": reasoning}
+    block = THINK_BLOCK.match(message["content"])
+    return {**message, "content": message["content"][:block.start(1)] + reasoning + message["content"][block.end(1):]}
+
+
+def marked(text: str) -> str:
+    """`text` with a character before and after its non-blank part that differ from that part's own first and last:
+    whatever a template does around a text, the rendering changes at both ends of it, and the whitespace around it
+    (which a template may strip or write beside its markers) stays as it was."""
+    core = text.strip()
+    start = text.index(core)
+    return (text[:start] + ("^" if core.startswith("~") else "~") + core + ("^" if core.endswith("~") else "~")
+            + text[start + len(core):])
+
+
+class ChatEncoder:
+    """Encodes conversations (and the tools they offer) with a tokenizer's chat template (`apply_chat_template` with
+    sanitized control tokens) and labels their assistant turns; `train_reasoning` False keeps reasoning as
+    context."""
+
+    def __init__(self, tokenizer, train_reasoning: bool = True):
         require_chat_template(tokenizer)
         self.tokenizer = tokenizer
+        self.train_reasoning = train_reasoning
         self.special_ids = frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
-        added = sorted(tokenizer.added_tokens_encoder, key=len, reverse=True)
-        self.marked = re.compile("|".join([*map(re.escape, added), f"[{PRIVATE_USE}]"]))
+        # The control tokens typed text may not become: the special tokens (and those the tokenizer names). An added
+        # token that is not special (Qwen's <think>, <tool_call>) is text the tokenizer makes from plain text, as
+        # every inference engine encodes it; transformers, left to itself, would also sanitize those a template's
+        # text holds, and that breaks a template that splits a content at them (Qwen3's reasoning).
+        named = set(getattr(tokenizer, "chat_control_tokens", None) or ())
+        control = sorted((token.content for token in tokenizer.added_tokens_decoder.values()
+                          if token.special or token.content in named), key=len, reverse=True)
+        self.marked = re.compile("|".join([*map(re.escape, control), f"[{PRIVATE_USE}]"]))
+        self.sanitizing = copy.copy(tokenizer)
+        self.sanitizing.chat_control_tokens = sorted(named)
 
     def typed_control_text(self, value: Any) -> bool:
-        """Whether any string in a message holds added-token text (or a private-use character)."""
+        """Whether any string in a message holds control-token text (or a private-use character)."""
         if isinstance(value, str):
             return self.marked.search(value) is not None
         if isinstance(value, dict):
@@ -97,51 +166,66 @@ class ChatEncoder:
             return any(self.typed_control_text(v) for v in value)
         return False
 
-    def render(self, messages: list[dict[str, Any]]) -> Optional[str]:
+    def render(self, messages: Messages, tools: Tools = None, generation_prompt: bool = False) -> Optional[str]:
         """The conversation's text as the template writes it, or None where the template refuses it."""
         from jinja2 import TemplateError
 
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                                      tokenize=False)
         except TemplateError:
             return None
 
-    def unrendered_part(self, messages: list[dict[str, Any]]) -> Optional[str]:
-        """What of the conversation the template leaves out of its text: "tool_calls", or a role other than user
-        and assistant whose messages it does not write ("tool", "system"); None when it writes everything (or
-        refuses the conversation, which `encode` reports). Found by rendering the conversation again with that part
-        changed: a template that ignores a part writes the same text."""
-        parts = []
+    def unrendered_part(self, messages: Messages, tools: Tools = None, reasoning: bool = True) -> Optional[str]:
+        """What of the conversation the template leaves out of its text: "tools", "tool_calls", "reasoning" (unless
+        `reasoning` is False), or a role other than user and assistant whose messages it does not write ("tool",
+        "system"); None when it writes everything (or refuses the conversation, which `encode` reports). Found by
+        rendering the conversation again with that part changed: a template that ignores a part writes the same
+        text. Reasoning is looked for where a template writes it, at the end of the conversation through the last
+        turn that has some, in either form (Qwen3's drops it from every turn before the last user message)."""
+        parts: list[tuple[str, Messages, Tools, Messages, Tools]] = []
+        if tools:
+            parts.append(("tools", messages, tools, messages, [renamed_tool(t) for t in tools]))
         if any(m.get("tool_calls") for m in messages):
-            parts.append(("tool_calls", [{**m, "tool_calls": [renamed_call(c) for c in m["tool_calls"]]}
-                                         if m.get("tool_calls") else m for m in messages]))
+            renamed = [{**m, "tool_calls": [renamed_call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                       for m in messages]
+            parts.append(("tool_calls", messages, tools, renamed, tools))
+        for field in (True, False):  # the last turn with reasoning_content, the last with a <think> block
+            thinking = [k for k, m in enumerate(messages) if reasoning and reasoning_of(m)
+                        and isinstance(m.get("reasoning_content"), str) == field]
+            if thinking:
+                k = thinking[-1]
+                changed = with_reasoning(messages[k], marked(reasoning_of(messages[k])))
+                parts.append(("reasoning", messages[:k + 1], tools, [*messages[:k], changed], tools))
         for role in dict.fromkeys(m["role"] for m in messages):
             if role not in ("user", "assistant"):
-                parts.append((role, [{**m, "content": "~" + (m.get("content") or "")} if m["role"] == role else m
-                                     for m in messages]))
-        if not parts:
-            return None
-        text = self.render(messages)
-        return next((part for part, changed in parts if text is not None and self.render(changed) == text), None)
+                parts.append((role, messages, tools, [{**m, "content": "~" + (m.get("content") or "")}
+                                                      if m["role"] == role else m for m in messages], tools))
+        for part, original, offered, changed, changed_tools in parts:
+            text = self.render(original, offered)
+            if text is not None and self.render(changed, changed_tools) == text:
+                return part
+        return None
 
-    def encode(self, conversations: list[list[dict[str, Any]]], generation_prompt: list[bool]
+    def encode(self, conversations: list[Messages], generation_prompt: list[bool], tools: list[Tools] | None = None
                ) -> list[Optional[list[int]]]:
-        """The ids of each conversation (None where the template refuses it), as apply_chat_template(tokenize=True,
-        sanitize_control_tokens=True) gives them. Conversations without typed control text are rendered as text and
-        tokenized in one batch: the same ids, several times faster."""
+        """The ids of each conversation (None where the template refuses it), as apply_chat_template(tools=...,
+        tokenize=True, sanitize_control_tokens=True) gives them. Conversations without typed control text are
+        rendered as text and tokenized in one batch: the same ids, several times faster."""
         from jinja2 import TemplateError
 
+        tools = tools or [None] * len(conversations)
         out: list[Optional[list[int]]] = [None] * len(conversations)
         texts, where = [], []
-        for i, (messages, prompt) in enumerate(zip(conversations, generation_prompt)):
+        for i, (messages, prompt, offered) in enumerate(zip(conversations, generation_prompt, tools)):
             try:
-                if self.typed_control_text(messages):
-                    out[i] = self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=prompt, tokenize=True, return_dict=False,
+                if self.typed_control_text(messages) or self.typed_control_text(offered):
+                    out[i] = self.sanitizing.apply_chat_template(
+                        messages, tools=offered, add_generation_prompt=prompt, tokenize=True, return_dict=False,
                         sanitize_control_tokens=True)
                 else:
-                    texts.append(self.tokenizer.apply_chat_template(messages, add_generation_prompt=prompt,
-                                                                    tokenize=False))
+                    texts.append(self.tokenizer.apply_chat_template(messages, tools=offered,
+                                                                    add_generation_prompt=prompt, tokenize=False))
                     where.append(i)
             except TemplateError:  # the template's raise_exception: roles it cannot render, say
                 continue
@@ -150,55 +234,89 @@ class ChatEncoder:
                 out[i] = ids
         return out
 
-    def turn_spans(self, conversations: list[list[dict[str, Any]]], trained_flags: list[list[bool]]
-                   ) -> list[tuple[list[int], list[tuple[int, int]]] | str]:
-        """Per conversation: (its ids, the [start, end) token span of each trained assistant turn), or the drop
-        reason. A span starts after the generation prompt and ends after the last special token of the turn."""
-        requests: list[tuple[list[dict[str, Any]], bool]] = []
-        for messages, flags in zip(conversations, trained_flags):
-            requests.append((messages, False))
+    def turn_spans(self, conversations: list[Messages], trained_flags: list[list[bool]],
+                   tools: list[Tools] | None = None) -> list[tuple[list[int], list[tuple[int, int]]] | str]:
+        """Per conversation: (its ids, the [start, end) token spans trained), or the drop reason. A trained turn's
+        span starts after the generation prompt and ends after the last special token of the turn; a turn the
+        template writes differently once more follows it has none (see the module docstring), and with
+        train_reasoning False a turn's reasoning splits its span in two."""
+        tools = tools or [None] * len(conversations)
+        requests: list[tuple[Messages, Tools, bool]] = []
+        for messages, flags, offered in zip(conversations, trained_flags, tools):
+            requests.append((messages, offered, False))
             for k in (k for k, flag in enumerate(flags) if flag):
-                requests += [(messages[:k], True), (messages[:k + 1], False)]
-        encoded = iter(self.encode([m for m, _ in requests], [p for _, p in requests]))
+                requests += [(messages[:k], offered, True), (messages[:k + 1], offered, False)]
+                if self.masks_reasoning(messages[k]):
+                    changed = with_reasoning(messages[k], marked(reasoning_of(messages[k])))
+                    requests.append(([*messages[:k], changed, *messages[k + 1:]], offered, False))
+        encoded = iter(self.encode([m for m, _, _ in requests], [p for _, _, p in requests],
+                                   [t for _, t, _ in requests]))
         results: list[tuple[list[int], list[tuple[int, int]]] | str] = []
-        for flags in trained_flags:
+        for messages, flags, offered in zip(conversations, trained_flags, tools):
             full = next(encoded)
-            parts = [(next(encoded), next(encoded)) for _ in range(sum(flags))]
-            if full is None or any(p is None for pair in parts for p in pair):
+            turns = [(k, next(encoded), next(encoded), next(encoded) if self.masks_reasoning(messages[k]) else None)
+                     for k, flag in enumerate(flags) if flag]
+            if full is None or any(ids is None for _, before, through, _ in turns for ids in (before, through)):
                 results.append("rejected_by_template")
                 continue
             spans: list[tuple[int, int]] = []
             reason = ""
-            for before, through in parts:
-                if full[:len(before)] != before:
-                    reason = "prefix_mismatch"
+            for k, before, through, changed in turns:
+                end = self.turn_end(full, before, through)
+                if end is None and full[:len(before)] != before and not self.context_rewritten(messages, offered, k):
+                    end = "prefix_mismatch"
+                if isinstance(end, str):
+                    reason = end
                     break
-                # The turn ends where the conversation through it and the whole conversation part ways (a
-                # template may close the last message differently from one that is followed by more).
-                end = common_prefix_length(through, full)
-                ends = [i for i in range(len(before), end) if full[i] in self.special_ids]
-                if not ends:
-                    reason = "no_end_of_turn"
-                    break
-                spans.append((len(before), ends[-1] + 1))
+                if end is not None:
+                    spans += reasoning_masked((len(before), end), full, changed)
             results.append(reason or (full, spans))
         return results
 
-    def examples(self, conversations: list[list[dict[str, Any]]], trained_flags: list[list[bool]],
-                 max_length: int, drop_first: list[int] | None = None) -> list[ConversationExample | str]:
+    def masks_reasoning(self, message: dict[str, Any]) -> bool:
+        return not self.train_reasoning and reasoning_of(message) is not None
+
+    def turn_end(self, full: list[int], before: list[int], through: list[int]) -> Union[int, str, None]:
+        """Where the turn that follows `before` ends in `full` (after its last special token); "no_end_of_turn" when
+        the template writes none after it; None when `full` does not hold `before` and the turn as `through`
+        writes it."""
+        start = len(before)
+        if full[:start] == before:
+            # The turn ends where the conversation through it and the whole conversation part ways (a template may
+            # close the last message differently from one that is followed by more).
+            common = common_prefix_length(through, full)
+            ends = [i for i in range(start, common) if full[i] in self.special_ids]
+            if ends:
+                return ends[-1] + 1
+        if through[:start] == before and not any(token in self.special_ids for token in through[start:]):
+            return "no_end_of_turn"
+        return None
+
+    def context_rewritten(self, messages: Messages, tools: Tools, k: int) -> bool:
+        """Whether the template writes the text before turn k otherwise in the whole conversation than in its
+        prompt for turn k (Mistral's moves the tools to the last user message); False where the text is the same
+        and only the tokens differ."""
+        whole, context = self.render(messages, tools), self.render(messages[:k], tools, generation_prompt=True)
+        return whole is None or context is None or not whole.startswith(context)
+
+    def examples(self, conversations: list[Messages], trained_flags: list[list[bool]], max_length: int,
+                 drop_first: list[int] | None = None, tools: list[Tools] | None = None
+                 ) -> list[ConversationExample | str]:
         """Labelled examples of at most max_length tokens, or drop reasons. Over-long conversations lose rounds from
         the start (one encoding per try: long conversations are few) until they fit or one round is left;
         `drop_first` gives, per conversation, how many rounds it loses before the first try."""
         results: list[ConversationExample | str] = []
         drop_first = drop_first or [0] * len(conversations)
+        tools = tools or [None] * len(conversations)
         first = [without_rounds(m, f, d) for m, f, d in zip(conversations, trained_flags, drop_first)]
-        labelled_all = self.turn_spans([m for m, _ in first], [f for _, f in first])
-        for messages, flags, labelled, dropped in zip(conversations, trained_flags, labelled_all, drop_first):
+        labelled_all = self.turn_spans([m for m, _ in first], [f for _, f in first], tools)
+        for messages, flags, offered, labelled, dropped in zip(conversations, trained_flags, tools, labelled_all,
+                                                               drop_first):
             starts = rounds_start(messages)
             while not isinstance(labelled, str) and len(labelled[0]) > max_length and dropped + 1 < len(starts):
                 dropped += 1
                 trimmed, trimmed_flags = without_rounds(messages, flags, dropped)
-                [labelled] = self.turn_spans([trimmed], [trimmed_flags])
+                [labelled] = self.turn_spans([trimmed], [trimmed_flags], [offered])
             if isinstance(labelled, str):
                 results.append(labelled)
                 continue
@@ -212,6 +330,20 @@ class ChatEncoder:
         return results
 
 
+def reasoning_masked(span: tuple[int, int], full: list[int], changed: Optional[list[int]]) -> list[tuple[int, int]]:
+    """`span` of `full` less the tokens that differ in `changed` (the conversation with the turn's reasoning
+    changed): the reasoning's own tokens. The whole span when `changed` is None or differs elsewhere."""
+    start, end = span
+    if changed is None:
+        return [span]
+    head = common_prefix_length(full, changed)
+    tail = common_prefix_length(full[head:][::-1], changed[head:][::-1])
+    first, last = max(start, head), min(end, len(full) - tail)
+    if first >= last:
+        return [span]
+    return [(a, b) for a, b in ((start, first), (last, end)) if a < b]
+
+
 def renamed_call(call: Any) -> Any:
     """A tool call with another function name, or the call itself when it has no function to rename."""
     if isinstance(call, dict) and isinstance(call.get("function"), dict):
@@ -219,13 +351,18 @@ def renamed_call(call: Any) -> Any:
     return call
 
 
-UNRENDERED = "unrendered_"  # the drop reason's prefix for a conversation the template writes only in part
+def renamed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool definition with another function name (tools_problem has checked it has one)."""
+    return {**tool, "function": {**tool["function"], "name": f"~{tool['function']['name']}"}}
+
+
+PART_WORDS = {"tool_calls": "tool calls", "tools": "tool definitions", "reasoning": "reasoning"}
 
 
 def unrendered_refusal(part: str, count: int, first: str) -> str:
     """The one line that refuses `count` conversations whose `part` (unrendered_part's) the template leaves out;
     `first` names the first of them."""
-    what = "tool calls" if part == "tool_calls" else f"{part!r} messages"
+    what = PART_WORDS.get(part, f"{part!r} messages")
     return (f"chat_template: it does not render the {what} of {count:,} conversations (first: {first}), so they would "
             f"train without them; use a chat template that renders them (chat_template: path/to/template.jinja) or "
             f"leave them out of the data")
@@ -241,7 +378,7 @@ def unrendered_conversations(tokenizer, records) -> tuple[int, Optional[str]]:
             continue
         count += 1
         parsed = conversation_messages(record)
-        part = None if isinstance(parsed, str) else encoder.unrendered_part(parsed[0])
+        part = None if isinstance(parsed, str) else encoder.unrendered_part(parsed[0], conversation_tools(record))
         if part:
             found[part] += 1
             first.setdefault(part, where)
@@ -251,8 +388,7 @@ def unrendered_conversations(tokenizer, records) -> tuple[int, Optional[str]]:
     return count, unrendered_refusal(part, n, first[part])
 
 
-def without_rounds(messages: list[dict[str, Any]], flags: list[bool], dropped: int
-                   ) -> tuple[list[dict[str, Any]], list[bool]]:
+def without_rounds(messages: Messages, flags: list[bool], dropped: int) -> tuple[Messages, list[bool]]:
     """The conversation and its trained flags less the first `dropped` rounds (the system message kept)."""
     if not dropped:
         return messages, flags
@@ -275,8 +411,9 @@ def require_chat_template(tokenizer) -> None:
 def end_of_turn_id(tokenizer) -> int:
     """The special token that closes an assistant turn in the tokenizer's chat template (ChatML: <|im_end|>)."""
     labelled = ChatEncoder(tokenizer).turn_spans([PROBE], [[False, True]])[0]
-    if isinstance(labelled, str):
-        raise UserError(f"chat_template: cannot train with it ({labelled}: an assistant turn must end with a special "
+    if isinstance(labelled, str) or not labelled[1]:  # no span: the whole conversation rewrites the prompt
+        reason = labelled if isinstance(labelled, str) else "prefix_mismatch"
+        raise UserError(f"chat_template: cannot train with it ({reason}: an assistant turn must end with a special "
                         f"token the template writes, and the conversation up to it must be the generation prompt's "
                         f"ids); use a template that does")
     ids, [(_, end)] = labelled
@@ -291,9 +428,13 @@ def require_trainable_chat(tokenizer, template: str, what: str) -> None:
     end_of_turn_id(tokenizer)
 
 
-def encode_for_generation(tokenizer, conversations: list[list[dict[str, Any]]]) -> list[list[int]]:
-    """The ids a model answers from: each conversation with the generation prompt, encoded as in training."""
-    encoded = ChatEncoder(tokenizer).encode(conversations, [True] * len(conversations))
+def encode_for_generation(tokenizer, conversations: list[Messages], tools: list[Tools] | None = None
+                          ) -> list[list[int]]:
+    """The ids a model answers from: each conversation (and the tools it offers) with the generation prompt,
+    encoded as in training (tool-call arguments still JSON strings decoded, as conversation_messages decodes
+    them)."""
+    encoded = ChatEncoder(tokenizer).encode([template_messages(m) for m in conversations],
+                                            [True] * len(conversations), tools)
     for number, ids in enumerate(encoded, 1):
         if ids is None:
             raise UserError(f"chat_template: it refuses conversation {number} (roles it cannot render, such as two "
@@ -301,26 +442,31 @@ def encode_for_generation(tokenizer, conversations: list[list[dict[str, Any]]]) 
     return encoded
 
 
-def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, train_turns: str
-                            ) -> dict[str, list]:
-    """A batched `datasets.map` function over records with `messages` (or prompt/response): the columns
-    sft.tokenize_batch adds, for conversations. `truncated_prompt` counts rows that lost rounds from the start,
-    `truncated_response` rows whose assistant turn was cut."""
+def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, train_turns: str,
+                            train_reasoning: bool = True) -> dict[str, list]:
+    """A batched `datasets.map` function over records with `messages` (or prompt/response) and optional `tools`:
+    the columns sft.tokenize_batch adds, for conversations. `truncated_prompt` counts rows that lost rounds from the
+    start, `truncated_response` rows whose assistant turn was cut."""
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-    encoder = ChatEncoder(tokenizer)
-    parsed = []
+    encoder = ChatEncoder(tokenizer, train_reasoning)
+    parsed: list[tuple[Messages, list[bool], Tools] | str] = []
     for row in rows:
         item = conversation_messages(row)
-        part = None if isinstance(item, str) else encoder.unrendered_part(item[0])
-        parsed.append(UNRENDERED + part if part else item)
+        if isinstance(item, str):
+            parsed.append(item)
+            continue
+        tools = conversation_tools(row)
+        part = encoder.unrendered_part(item[0], tools)
+        parsed.append(UNRENDERED + part if part else (*item, tools))
     usable = [p for p in parsed if not isinstance(p, str)]
     trained_flags = []
-    for messages, flags in usable:
+    for messages, flags, _ in usable:
         if train_turns == "last":
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             flags = [flag and i == last for i, flag in enumerate(flags)]
         trained_flags.append(flags)
-    examples = iter(encoder.examples([m for m, _ in usable], trained_flags, max_length))
+    examples = iter(encoder.examples([m for m, _, _ in usable], trained_flags, max_length,
+                                     tools=[t for _, _, t in usable]))
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_trained", "length", "truncated_prompt",
                                             "truncated_response", "drop_reason")}
     for item in parsed:

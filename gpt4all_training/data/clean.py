@@ -6,7 +6,9 @@ fields: gpt4all (`prompt`, `response`, `source`), Dolly (`instruction`, `context
 (`instruction`, `input`, `output`) and TRL's prompt/completion as text. Conversations (data/conversations.py): OpenAI
 `messages`, ShareGPT `conversations`, TRL's prompt/completion as messages, and OpenAssistant message trees (one tree
 per line) as whole threads (`--oasst paths`, the default, or `best`), or as every prompter->assistant pair with the
-thread flattened into the prompt (`--oasst pairs`). Preference pairs (data/preferences.py): any record with
+thread flattened into the prompt (`--oasst pairs`); a conversation keeps the tool definitions it offers (`tools`,
+a list or a JSON string of one) and its turns' tool calls (arguments a JSON object: `invalid_tool_arguments` when
+not) and reasoning (`reasoning_content`). Preference pairs (data/preferences.py): any record with
 `chosen`/`rejected` answers (TRL, UltraFeedback-binarized, HH-RLHF), and OpenAssistant trees as the best-ranked reply
 against each lower-ranked sibling (`--oasst-preferences`). Each input unit (a line, an array element, a row) becomes
 kept records or dropped ones; nothing vanishes: `kept + dropped == read` for every file.
@@ -22,8 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gpt4all_training.data.conversations import (OASST_THREAD_MODES, encodable, normalize_whitespace, oasst_threads,
-                                                 openai_messages, prompt_completion_messages, sharegpt_messages,
-                                                 trained)
+                                                 openai_messages, prompt_completion_messages, record_tools,
+                                                 sharegpt_messages, trained)
 from gpt4all_training.data.preferences import (PAIR_FIELDS, answer_text, is_preference, normalized,
                                                oasst_preferences, preference_record)
 from gpt4all_training.data.raw_files import SUFFIXES, read_units
@@ -111,7 +113,7 @@ def _completion_record(obj: dict, source: str) -> dict[str, Any] | Drop:
     prompt, completion = obj.get("prompt"), obj.get("completion")
     if isinstance(prompt, str) and isinstance(completion, str):
         return {"source": source, "prompt": prompt, "response": completion}
-    return _conversation_record(prompt_completion_messages(obj), source)
+    return _conversation_record(prompt_completion_messages(obj), source, record_tools(obj))
 
 
 def _oasst_records(tree: dict) -> Iterator[dict[str, str] | Drop]:
@@ -146,8 +148,14 @@ def _oasst_records(tree: dict) -> Iterator[dict[str, str] | Drop]:
                 yield Drop("malformed_message")
 
 
-def _conversation_record(parsed: list[dict[str, Any]] | str, source: str) -> dict[str, Any] | Drop:
-    return Drop(parsed) if isinstance(parsed, str) else {"messages": parsed, "source": source}
+def _conversation_record(parsed: list[dict[str, Any]] | str, source: str,
+                         tools: list[dict[str, Any]] | str | None = None) -> dict[str, Any] | Drop:
+    """A conversation record, with the tool definitions it offers (record_tools'), or the Drop of the first
+    problem."""
+    for problem in (parsed, tools):
+        if isinstance(problem, str):
+            return Drop(problem)
+    return {"messages": parsed, "source": source, **({"tools": tools} if tools else {})}
 
 
 def _kept_or_dropped(parsed: dict[str, Any] | str) -> dict[str, Any] | Drop:
@@ -175,9 +183,9 @@ def parse_record(obj: dict[str, Any], default_source: str, oasst: str = "paths")
         elif is_preference(obj):  # before messages: UltraFeedback-binarized records have both
             yield _kept_or_dropped(preference_record(obj, source))
         elif "messages" in obj:
-            yield _conversation_record(openai_messages(obj), source)
+            yield _conversation_record(openai_messages(obj), source, record_tools(obj))
         elif "conversations" in obj:
-            yield _conversation_record(sharegpt_messages(obj), source)
+            yield _conversation_record(sharegpt_messages(obj), source, record_tools(obj))
         elif "instruction" in obj and ("output" in obj or "input" in obj) and "response" not in obj:  # Alpaca
             yield _instruction_record(obj, "input", "output", source)
         elif "instruction" in obj:  # Dolly, whose category is the source
@@ -228,7 +236,10 @@ def check_conversation(record: dict[str, Any], filters: Filters, seen: set[tuple
         return "ai_disclaimer"
     if filters.drop_refusals and any(REFUSAL.search(a) for a in answers):
         return "refusal"
-    key = tuple((m["role"], normalize_whitespace(m["content"])) for m in record["messages"])
+    # Two conversations differ as well by their tool calls, reasoning and tools: none is a duplicate of the other.
+    key = (*((m["role"], normalize_whitespace(m["content"]), json.dumps(m.get("tool_calls")),
+              normalize_whitespace(m.get("reasoning_content") or "")) for m in record["messages"]),
+           json.dumps(record.get("tools")))
     if key in seen:
         return "duplicate"
     seen.add(key)
@@ -262,10 +273,11 @@ def check_preference(record: dict[str, Any], filters: Filters, seen: set[tuple])
 
 
 def written_fields(record: dict[str, Any]) -> dict[str, Any]:
-    """What clean.py writes of a record: a conversation as {"messages", "source"}, a preference pair as {"prompt",
-    "chosen", "rejected", "source"}, a single turn as {"source", "prompt", "response"}."""
+    """What clean.py writes of a record: a conversation as {"messages", "source"} (and "tools" when it offers any), a
+    preference pair as {"prompt", "chosen", "rejected", "source"}, a single turn as {"source", "prompt",
+    "response"}."""
     if record.get("messages") is not None:
-        keys: tuple[str, ...] = ("messages", "source")
+        keys: tuple[str, ...] = ("messages", "source", *(("tools",) if record.get("tools") else ()))
     elif record.get("chosen") is not None:
         keys = (*PAIR_FIELDS, "source")
     else:

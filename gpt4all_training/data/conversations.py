@@ -1,8 +1,15 @@
 """Conversations: the one record shape for multi-turn chat, read from the common shapes and checked.
 
 A conversation record is `{"messages": [{"role", "content"}, ...], "source": ...}` with roles `system`, `user`,
-`assistant` and `tool`. A message may also carry what chat templates read (`tool_calls` on an assistant turn, `name`
-and `tool_call_id` on a tool turn) and our own `"train": false`, which keeps an assistant turn as context only.
+`assistant` and `tool`, and optionally `tools`, the tool definitions the conversation offers the model, in OpenAI's
+format (`[{"type": "function", "function": {"name", "description", "parameters"}}]`). A message may also carry what
+chat templates read (`tool_calls` and `reasoning_content` on an assistant turn, `name` and `tool_call_id` on a tool
+turn) and our own `"train": false`, which keeps an assistant turn as context only.
+
+A tool call's `arguments` are stored as OpenAI sends them, a JSON string (an object would give the dataset a column
+type that differs from line to line), and must decode to a JSON object: templates are given the object
+(`template_messages`, the one place they are decoded), since a template that writes `arguments | tojson` would write
+a string's quotes and escapes, text the model never sees at inference.
 
 Read from: OpenAI `messages`, ShareGPT `conversations` (`from`/`value`), TRL's conversational prompt/completion, and
 OpenAssistant message trees as whole threads. Nothing here raises for bad data: a parser returns a list of messages
@@ -55,13 +62,35 @@ def trained(message: dict[str, Any]) -> bool:
 # The record schema's message fields and the type each takes (a field that is absent or null is always allowed);
 # `tool_calls` is a list of OpenAI's {"function": {"name", "arguments"}} (arguments as a JSON string or an object).
 MESSAGE_FIELDS = {"content": (str, "text"), "name": (str, "text"), "tool_call_id": (str, "text"),
-                  "train": (bool, "true or false")}
+                  "reasoning_content": (str, "text"), "train": (bool, "true or false")}
 
 
 def well_formed_call(call: Any) -> bool:
     function = call.get("function") if isinstance(call, dict) else None
     return isinstance(function, dict) and isinstance(function.get("name"), str) \
         and isinstance(function.get("arguments"), (str, dict))
+
+
+def arguments_problem(arguments: str | dict) -> str | None:
+    """Why a tool call's arguments are not a JSON object (in words), or None."""
+    if isinstance(arguments, dict):
+        return None
+    try:
+        decoded = json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        return f"not valid JSON ({exc.msg} at character {exc.pos})"
+    return None if isinstance(decoded, dict) else f"JSON {type(decoded).__name__}, not an object"
+
+
+def tools_problem(tools: Any) -> str | None:
+    """What is wrong with a record's `tools` (in words), or None when it is a list of OpenAI function tools."""
+    if not isinstance(tools, list):
+        return f"field 'tools' is {type(tools).__name__}, not a list of tool definitions"
+    for number, tool in enumerate(tools, start=1):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            return f'tool {number} is not {{"type": "function", "function": {{"name", ...}}}}'
+    return None
 
 
 def field_problem(message: dict[str, Any]) -> tuple[str, str] | None:
@@ -75,7 +104,19 @@ def field_problem(message: dict[str, Any]) -> tuple[str, str] | None:
     calls = message.get("tool_calls")
     if calls is not None and not (isinstance(calls, list) and all(well_formed_call(c) for c in calls)):
         return "malformed_tool_calls", 'field \'tool_calls\' is not a list of {"function": {"name", "arguments"}}'
+    for number, call in enumerate(calls or [], start=1):
+        problem = arguments_problem(call["function"]["arguments"])
+        if problem:
+            return "invalid_tool_arguments", f"tool call {number}: its arguments are {problem}"
     return None
+
+
+def record_type_problem(record: dict[str, Any]) -> str | None:
+    """What is of the wrong type in a record's messages or tools, in words for a one-line error, or None."""
+    problem = messages_type_problem(record.get("messages"))
+    if problem is None and record.get("tools") is not None:
+        problem = tools_problem(record["tools"])
+    return problem
 
 
 def messages_type_problem(messages: Any) -> str | None:
@@ -118,6 +159,19 @@ def conversation_problem(messages: Any) -> str | None:
     return None
 
 
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as chat templates are given them: each tool call's arguments decoded from their JSON string
+    into the object (checked by conversation_problem first)."""
+    def decoded(call: dict[str, Any]) -> dict[str, Any]:
+        arguments = call["function"]["arguments"]
+        if not isinstance(arguments, str):
+            return call
+        return {**call, "function": {**call["function"], "arguments": json.loads(arguments)}}
+
+    return [{**m, "tool_calls": [decoded(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
 # ---------------------------------------------------------------- the shapes clean.py reads
 
 def message(role: str, content: Any, source: dict[str, Any]) -> dict[str, Any]:
@@ -127,6 +181,8 @@ def message(role: str, content: Any, source: dict[str, Any]) -> dict[str, Any]:
     calls = source.get("tool_calls")
     if role == "assistant" and calls is not None and calls != []:
         out["tool_calls"] = [tool_call(call) for call in calls] if isinstance(calls, list) else calls
+    if role == "assistant" and source.get("reasoning_content") is not None:
+        out["reasoning_content"] = source["reasoning_content"]
     if role == "tool":
         out.update({key: source[key] for key in ("name", "tool_call_id") if source.get(key) is not None})
     if source.get("train") is not None and source["train"] is not True:
@@ -141,6 +197,20 @@ def tool_call(call: Any) -> Any:
             and not isinstance(call["function"].get("arguments"), str):
         call = {**call, "function": {**call["function"], "arguments": json.dumps(call["function"].get("arguments"))}}
     return call
+
+
+def record_tools(obj: dict[str, Any]) -> list[dict[str, Any]] | str | None:
+    """A record's `tools` (None without them), decoded once when a dataset stores them as a JSON string (as
+    ShareGPT-style function-calling sets do), or the drop reason: `invalid_tools_json`, `malformed_tools`."""
+    tools = obj.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            return "invalid_tools_json"
+    if tools is None or tools == []:
+        return None
+    return "malformed_tools" if tools_problem(tools) else tools
 
 
 def openai_messages(obj: dict[str, Any]) -> list[dict[str, Any]] | str:

@@ -18,8 +18,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from gpt4all_training.data.conversations import is_text, messages_type_problem
+from gpt4all_training.data.conversations import is_text, record_type_problem
 from gpt4all_training.errors import UserError
+from gpt4all_training.paths import require_dataset
 
 TEXT_FIELDS = ("text", "content")
 SCHEMA_ADVICE = "fix the record, or run clean.py on the raw data, which counts such records as dropped"
@@ -37,8 +38,7 @@ def local_text_files(dataset_path: str) -> Optional[list[Path]]:
         if not files:
             raise UserError(f"dataset_path: no *.jsonl files in {path}")
         return files
-    if path.suffix in (".jsonl", ".json") or dataset_path.startswith((".", "/", "~")):
-        raise UserError(f"dataset_path: {dataset_path} does not exist")
+    require_dataset(dataset_path)
     return None
 
 
@@ -137,7 +137,7 @@ def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     if files is not None:
         for file in files:
             for where, record in iter_records(file):
-                problem = messages_type_problem(record.get("messages"))
+                problem = record_type_problem(record)
                 if problem:
                     raise UserError(f"{where}: {problem}; {SCHEMA_ADVICE}")
                 yield where, record
@@ -190,6 +190,7 @@ def load_table(dataset_path: str, revision: Optional[str], files: Sequence[str] 
     `revision` pins the exact data, or a local dataset repository folder. `advice` ends the error for a bad line."""
     import datasets
     import pyarrow as pa
+    from datasets import Features, Json
 
     if files is not None:
         files = [file for file in files if holds_text(Path(file))]  # datasets fails on a blank file
@@ -210,6 +211,11 @@ def load_table(dataset_path: str, revision: Optional[str], files: Sequence[str] 
             # cannot be cast to them. Their types over every record can.
             table = datasets.load_dataset("json", data_files=list(files), features=record_features(files),
                                           split="train")
+        if files is not None and "tools" in table.column_names and not isinstance(table.features["tools"], Json):
+            # Tool definitions read as structs would come back with their keys in one order for every record (and a
+            # template writes `tools | tojson` in that order); read as JSON, each keeps its own, as serving reads it.
+            table = datasets.load_dataset("json", data_files=list(files), split="train",
+                                          features=Features({**table.features, "tools": Json()}))
     except (FileNotFoundError, ValueError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as exc:
         raise cannot_load(dataset_path, exc) from None
     except datasets.exceptions.DatasetGenerationError as exc:
@@ -262,9 +268,8 @@ def load_records(dataset_path: str, revision: str | None = None):
         # Local data has no revisions: datasets 5.2 reads a folder's current files whatever the revision (even in
         # a git repository). Say so rather than let a pin look effective.
         warnings.warn(f"revision {revision!r} is ignored for the local path {dataset_path}", stacklevel=2)
-    if files is None and (path.suffix in (".jsonl", ".json")
-                          or dataset_path.startswith((".", "/", "~")) and not path.exists()):
-        raise UserError(f"dataset_path: {dataset_path} does not exist")
+    if files is None:
+        require_dataset(dataset_path)
     ds = load_table(dataset_path, revision, files, "run clean.py on it first")
     missing = [c for c in ("prompt", "response") if c not in ds.column_names]
     if missing and "messages" not in ds.column_names:
@@ -278,17 +283,18 @@ def load_records(dataset_path: str, revision: str | None = None):
 
 def refuse_wrong_types(ds, dataset_path: str) -> None:
     """One UserError, naming the file and line, for the first record whose messages hold a field of the wrong type
-    (conversations.field_problem): a "train": "false" would otherwise be trained."""
+    (conversations.field_problem) or whose tools are malformed: a "train": "false" would otherwise be trained."""
+    columns = [c for c in ("messages", "tools") if c in ds.column_names]
     number = 0
-    for batch in ds.select_columns(["messages"]).iter(batch_size=1024):
-        for messages in batch["messages"]:
-            problem = messages_type_problem(messages)
+    for batch in ds.select_columns(columns).iter(batch_size=1024):
+        for values in zip(*(batch[c] for c in columns)):
+            problem = record_type_problem(dict(zip(columns, values)))
             if problem:
                 raise UserError(f"{record_location(dataset_path, number)}: {problem}; {SCHEMA_ADVICE}")
             number += 1
 
 
-def records_fingerprint(ds, columns: Sequence[str] = ("prompt", "response", "messages")) -> str:
+def records_fingerprint(ds, columns: Sequence[str] = ("prompt", "response", "messages", "tools")) -> str:
     """SHA-256 of the records' `columns` (those present), row by row in stored order: what a resumed run compares
     to know it trains on the same data (another file of the same size is other data; a moved file is not)."""
     present = [c for c in columns if c in ds.column_names]

@@ -143,9 +143,11 @@ def split_records(ds, val_fraction: float, seed: int):
     return parts["train"], parts["test"]
 
 
-def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: int | None, train_turns: str = "all"):
+def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: int | None, train_turns: str = "all",
+                     train_reasoning: bool = True):
     """`ds` with the tokenized columns: prompt/response rows by `template`, or, when it has `messages`, every row
-    by the chat template with `train_turns` ("all" or "last") of each conversation trained."""
+    by the chat template with `train_turns` ("all" or "last") of each conversation trained, and their reasoning
+    trained or (`train_reasoning` False) kept as context."""
     import datasets
 
     features = tokenized_features(ds.features)
@@ -154,7 +156,8 @@ def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: in
     if "messages" in ds.column_names:
         require_trainable_chat(tokenizer, template, "conversations")
         return ds.map(tokenized_conversations, batched=True, batch_size=256, num_proc=num_proc, features=features,
-                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "train_turns": train_turns},
+                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "train_turns": train_turns,
+                                 "train_reasoning": train_reasoning},
                       desc="tokenizing conversations")
     return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc, features=features,
                   fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template},
@@ -235,8 +238,8 @@ def load_data(config, tokenizer, records=None):
     template = resolve_template(config.prompt_template, tokenizer)
     num_proc = effective_num_proc(config, len(records))
     splits, stats = [], []
-    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns)
-                        for raw in (train_raw, val_raw)]
+    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns,
+                                         config.train_reasoning) for raw in (train_raw, val_raw)]
     refuse_unrendered(tokenized_splits, config.dataset_path)
     for tokenized in tokenized_splits:
         kept, split_stats = finish_split(tokenized)

@@ -44,18 +44,13 @@ def resolve_model_config(config: TrainConfig, tokenizer):
     return model_config
 
 
-def build_model_from_config(config: TrainConfig, tokenizer):
-    """A randomly initialised AutoModelForCausalLM (seeded by the caller's torch seed), in fp32."""
+def build_model_from_config(config: TrainConfig, tokenizer, dtype: torch.dtype = torch.float32):
+    """A randomly initialised AutoModelForCausalLM (seeded by the caller's torch seed), in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     model_config = resolve_model_config(config, tokenizer)
     try:
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32,
-                                                 trust_remote_code=config.trust_remote_code)
+        return AutoModelForCausalLM.from_config(model_config, dtype=dtype, trust_remote_code=config.trust_remote_code)
     except (ValueError, TypeError, StrictDataclassError) as exc:  # e.g. n_head not dividing n_embd
         raise UserError(f"model_config_overrides: the model cannot be built from them "
                         f"({(str(exc).splitlines() or [type(exc).__name__])[0][:200]}); fix the values") from None
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    return model

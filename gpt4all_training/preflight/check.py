@@ -40,8 +40,8 @@ from gpt4all_training.preflight.plan import (
 )
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.loop import train
-from gpt4all_training.training.objectives import RecordScan, objective_for
-from gpt4all_training.training.preference import reference_kind
+from gpt4all_training.training.objectives import objective_for
+from gpt4all_training.training.objectives.protocol import ObjectiveChecks, RecordScan
 
 GIB = 2**30
 TRACKER_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard"}
@@ -92,7 +92,7 @@ def check_config(path: Optional[str], overrides: list[str]) -> tuple[Any, list[O
 
 # ---------------------------------------------------------------- dataset
 
-def check_dataset(config, objective) -> tuple[Outcome, RecordScan | None]:
+def check_dataset(config, objective: ObjectiveChecks) -> tuple[Outcome, RecordScan | None]:
     """Every record has the fields training reads; returns what the objective read, with the sample for the dry
     run: the first DRY_RUN_EXAMPLES examples, or for causal_lm the first records with text enough for two rows or
     more."""
@@ -209,12 +209,11 @@ def memory_problem(config, estimate, available: float, where: str) -> Optional[s
     return None
 
 
-def check_memory(config, shape) -> Outcome:
+def check_memory(config, objective: ObjectiveChecks, shape) -> Outcome:
 
-    dpo = config.objective == "dpo"  # a micro-batch holds both answers of each pair
-    sequences = (2 if dpo else 1) * config.batch_size
+    sequences = objective.rows_per_example * config.batch_size
     estimates = memory_per_gpu(shape, sequences, config.max_length, config.dtype, 1, config.gradient_checkpointing,
-                               int(dpo and reference_kind(config) == "frozen_copy"))
+                               objective.reference_copies)
     mode = "LoRA" if config.lora else "full (DDP)"
     available, where = device_memory()
     problem = memory_problem(config, estimates[mode], available, where)
@@ -280,7 +279,7 @@ def check_trackers(config) -> list[Outcome]:
 
 # ---------------------------------------------------------------- the dry run
 
-def dry_run_config(config, objective, data_dir: Path, output_dir: Path):
+def dry_run_config(config, objective: ObjectiveChecks, data_dir: Path, output_dir: Path):
     """The config on DRY_RUN_EXAMPLES examples for DRY_RUN_STEPS steps: no evaluation, saves, trackers or Hub, and
     the tokenized sample cached in the temporary output_dir, not in a shared cache_dir."""
     data_file = data_dir / objective.dry_run_file
@@ -291,7 +290,7 @@ def dry_run_config(config, objective, data_dir: Path, output_dir: Path):
     return validate(dataclasses.replace(config, **changes)), data_file
 
 
-def dry_run(config, objective, scan: RecordScan) -> Outcome:
+def dry_run(config, objective: ObjectiveChecks, scan: RecordScan) -> Outcome:
     sample = scan.sample
     if len(sample) < scan.min_sample:
         return failed("dry run", f"needs {DRY_RUN_EXAMPLES} records with text; the dataset has {len(sample)}")
@@ -336,11 +335,11 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
     record(dataset_outcome)
     shape = None
     if config.init == "from_config":
-        shape = model_checks(config, record, scan)
+        shape = model_checks(config, objective, record, scan)
     elif config.model_name:
         record(check_model_name(config))
         if outcomes[-1].ok:
-            shape = model_checks(config, record, scan)
+            shape = model_checks(config, objective, record, scan)
     record(check_output_dir(config, shape))
     record(*check_trackers(config))
     if all(o.ok for o in outcomes):
@@ -348,7 +347,7 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
     return outcomes
 
 
-def model_checks(config, record, scan: RecordScan | None):
+def model_checks(config, objective: ObjectiveChecks, record, scan: RecordScan | None):
     """Tokenizer, chat template (for conversations) and memory checks (and for init from_config, the config the
     model is built from); returns the model's shape (for the checkpoint size) or None."""
 
@@ -369,8 +368,8 @@ def model_checks(config, record, scan: RecordScan | None):
         record(passed(name, f"{model_config.model_type} with {shape.layers} layers, width {shape.hidden}: "
                             f"{shape.parameters:,} parameters, vocabulary {shape.vocab:,} (the tokenizer's)"))
     record(check_tokenizer(config, tokenizer, model_config))
-    if config.objective == "sft" and scan is not None and "messages" in scan.fields:
+    if scan is not None and scan.conversations:
         record(check_chat_template(config, tokenizer))
     if config.batch_size >= 1 and config.max_length >= 1:
-        record(check_memory(config, shape))
+        record(check_memory(config, objective, shape))
     return shape

@@ -1,7 +1,7 @@
 """`gpt4all-training plan --config c.yaml [--gpus N] [--tokens-per-second X]`: the arithmetic of a run, before it.
 
 Everything is computed from the config and the actual tokenised data, by what the training loop uses: the
-objective's data and sampler (training/objectives.py), `total_optimizer_steps` for the run's length,
+objective's data and sampler (training/objectives/), `total_optimizer_steps` for the run's length,
 `learning_rate` for the schedule and `pack_rows` for packing (training/counts.py). So the planned steps, examples
 and trained tokens are the ones `train.py` then takes, for any number of processes.
 
@@ -29,6 +29,7 @@ from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.counts import DataPlan, TokenCounts
 from gpt4all_training.training.loss import CHUNK_ELEMENTS
 from gpt4all_training.training.objectives import objective_for
+from gpt4all_training.training.objectives.protocol import Objective
 from gpt4all_training.training.schedule import learning_rate, total_optimizer_steps
 
 GIB = 2**30
@@ -272,10 +273,9 @@ def measured_tokens_per_second(output_dir: str) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def plan_data(config, tokenizer, gpus: int) -> DataPlan:
+def plan_data(config, objective: Objective, tokenizer, gpus: int) -> DataPlan:
     """The run's data, sampler and length exactly as train() builds them for `gpus` processes, counted by the
     objective."""
-    objective = objective_for(config)
     data = objective.load_data(config, tokenizer, lambda line: None, launched_world_size())
     sampler = objective.sampler(config, data, gpus, 0)
     total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
@@ -286,7 +286,8 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
     if gpus < 1:
         raise UserError(f"--gpus: must be at least 1, got {gpus}")
     tokenizer = tokenizer_for(config)
-    data = plan_data(config, tokenizer, gpus)
+    objective = objective_for(config)
+    data = plan_data(config, objective, tokenizer, gpus)
     total_steps = data.total_steps
 
     if config.init == "from_config":
@@ -320,8 +321,8 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
         lr_first_last=(learning_rate(0, config, total_steps), learning_rate(total_steps - 1, config, total_steps)),
         checkpoints=len(saves), kept_at_most=most_kept(saves, config.keep_last, config.keep_every),
         checkpoint_bytes=checkpoint_bytes(shape, config.lora), final_bytes=final_bytes, shape=shape,
-        memory=memory_per_gpu(shape, data.rows_per_example * config.batch_size, config.max_length, config.dtype,
-                              gpus, config.gradient_checkpointing, data.reference_copies),
+        memory=memory_per_gpu(shape, objective.rows_per_example * config.batch_size, config.max_length,
+                              config.dtype, gpus, config.gradient_checkpointing, objective.reference_copies),
         tokens_per_second=tokens_per_second, throughput_source=source, notes=notes)
 
 

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from gpt4all_training.model.decoding import Sampling
-from gpt4all_training.serving.chat import chat_encoder, end_of_turn_ids, render
+from gpt4all_training.serving.chat import chat_encoder, end_of_turn_ids, opens_reasoning, render
 from gpt4all_training.serving.engine import Choice, Delta, Engine, Failed, Finished, QueueFull, ShuttingDown, Ticket
 from gpt4all_training.serving.protocol import (APIError, ChatRequest, ChatShapes, CompletionRequest,
                                                CompletionShapes, Sampled, Shapes, error_body, parse, sse, usage)
@@ -235,8 +235,8 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
     async def chat_completions(request: Request):
         body: ChatRequest = parse(ChatRequest, await request.body())
         check_model(body.model)
-        messages = [message.as_dict() for message in body.messages]
-        ids = [render(encoder, messages)]
+        messages, tools = body.conversation()
+        ids = [render(encoder, messages, tools)]
         key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as long as the context allows
@@ -244,7 +244,8 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
             max_tokens = max(1, min(settings.max_tokens_cap, room))
         if settings.log_prompts:
             request.state.prompt = messages
-        return await answer(request, body, ids, max_tokens, key, "messages", ChatShapes())
+        return await answer(request, body, ids, max_tokens, key, "messages",
+                            ChatShapes(opens_reasoning(encoder, messages, tools)))
 
     def check_limits(body: Sampled, ids: list[list[int]], max_tokens: int, tokens_key: str, prompt_key: str):
         if max_tokens > settings.max_tokens_cap:

@@ -1,9 +1,12 @@
 """The OpenAI API's shapes: the request bodies (validated), the error body, and the responses and stream chunks.
 
 Fields of OpenAI's API that this server does not implement (logprobs, penalties, ...) are ignored, as several
-OpenAI-compatible servers do, so existing clients keep working; but a request that asks for tools (`tools`,
-`functions`, a tool message or an assistant turn with tool calls) is refused, since answering it without them would
-silently be another answer than the one asked for. So is a role the chat templates do not know.
+OpenAI-compatible servers do, so existing clients keep working. Tools are taken as training takes them: `tools` and
+the conversation's tool calls (arguments a JSON object, decoded once, as in training) and tool results go to the chat
+template (serving/chat.py answers 400 where the model's template leaves them out of its text). What would silently
+be another answer than the one asked for is refused: the legacy `functions`, a `tool_choice` that forces a call
+(the reply is the model's own; tool calls stay text in its content), a role the chat templates do not know.
+Reasoning the reply opens with comes back apart from its content (`reasoning_content`, serving/reasoning.py).
 
 A body is refused before validation when it is not JSON, nests deeper than MAX_JSON_DEPTH, or holds a lone surrogate
 (`"\ud800"` without its pair: JSON can spell it, but it is not Unicode text, and no tokenizer takes it).
@@ -16,11 +19,15 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gpt4all_training.data.conversations import field_problem, template_messages, tools_problem
+from gpt4all_training.serving.reasoning import ReasoningStream, split_reasoning
+
 MAX_STOP_STRINGS = 4  # as OpenAI
 # Far deeper than any request of the API (a tool's JSON schema included); deeper bodies are refused unread.
 MAX_JSON_DEPTH = 64
-ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
-TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer name for system
+LEGACY_TOOL_FIELDS = ("functions", "function_call")
+TOOL_CHOICES = ("auto", "none")  # what the model may do anyway; "required" or a named function would force a call
 
 
 class APIError(Exception):
@@ -83,35 +90,54 @@ class Message(BaseModel):
     role: str
     content: Union[str, list[TextPart], None] = None
     tool_calls: Optional[list[Any]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
-    def as_dict(self) -> dict[str, str]:
-        """The message as chat templates read it: text parts joined, no content as empty text, developer as
-        system."""
+    def as_dict(self) -> dict[str, Any]:
+        """The message as training's records hold it: text parts joined, no content as empty text, developer as
+        system; tool calls and reasoning on an assistant turn, the call's id and name on a tool result."""
         role = "system" if self.role == "developer" else self.role
-        if isinstance(self.content, list):
-            return {"role": role, "content": "".join(part.text for part in self.content)}
-        return {"role": role, "content": self.content or ""}
+        content = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        kept = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id", "name")}.get(role, ())
+        message.update({key: getattr(self, key) for key in kept if getattr(self, key)})
+        return message
 
 
 class ChatRequest(Sampled):
     messages: list[Message] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
 
     def check_roles_and_tools(self, data: dict[str, Any]) -> None:
-        """400 for what this server cannot honour: tools asked for (in the request's `data`, or a turn that calls
-        or answers one), or a role the chat templates do not know."""
-        for key in TOOL_FIELDS:
+        """400 for what this server cannot honour: the legacy function fields (in the request's `data`), a
+        tool_choice that forces a call, malformed tools or tool calls (arguments that are not a JSON object
+        included), or a role the chat templates do not know."""
+        for key in LEGACY_TOOL_FIELDS:
             if data.get(key):
-                raise APIError(400, f"{key}: this server does not support tools (function calling) yet; send the "
-                                    f"request without {key}", param=key)
+                raise APIError(400, f"{key}: the legacy function-calling fields are not supported; send tools (and "
+                                    f"tool_choice) instead", param=key)
+        if self.tool_choice is not None and self.tool_choice not in TOOL_CHOICES:
+            raise APIError(400, f"tool_choice: this server does not force tool calls; send {' or '.join(TOOL_CHOICES)}",
+                           param="tool_choice")
+        if self.tools:
+            problem = tools_problem(self.tools)
+            if problem:
+                raise APIError(400, problem if problem.startswith("field") else f"tools: {problem}", param="tools")
         for i, message in enumerate(self.messages):
-            if message.role == "tool" or message.tool_calls:
-                raise APIError(400, f"messages.{i}: a tool call or its result; this server does not support tools "
-                                    f"(function calling) yet", param="messages")
             if message.role not in ROLES:
                 raise APIError(400, f"messages.{i}.role: {message.role!r} is not a role this server takes (one of "
                                     f"{', '.join(ROLES)})", param="messages")
+            problem = field_problem(message.as_dict())
+            if problem:
+                raise APIError(400, f"messages.{i}: {problem[1]}", param="messages")
+
+    def conversation(self) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
+        """(the messages, the tools or None) as training gives them to the chat template."""
+        return template_messages([message.as_dict() for message in self.messages]), self.tools or None
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:
@@ -203,15 +229,24 @@ class CompletionShapes(Shapes):
 
 
 class ChatShapes(Shapes):
+    """The chat bodies, the reply's reasoning apart from its content; `opens_reasoning`: the prompt ends inside a
+    <think> block, so the reply starts as reasoning."""
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
+    def __init__(self, opens_reasoning: bool = False):
+        self.opens_reasoning = opens_reasoning
+        self.streams: dict[int, ReasoningStream] = {}
+
     def choice(self, index, text, finish_reason):
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
+        reasoning, content = split_reasoning(text, self.opens_reasoning)
+        message = {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
 
     def delta(self, index, text, finish_reason):
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
-                "finish_reason": finish_reason}
+        stream = self.streams.setdefault(index, ReasoningStream(self.opens_reasoning))
+        reasoning, content = stream.feed(text, final=finish_reason is not None)
+        delta = {key: value for key, value in (("reasoning_content", reasoning), ("content", content)) if value}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def opening(self, index):
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -33,6 +33,7 @@ from gpt4all_training.preflight.plan import make_plan
 from gpt4all_training.studio.configs import EVAL_SUITE_DIR, load_in, presets
 from gpt4all_training.studio.workdir import EVAL_DIR, MAPS_DIR, Workdir
 from gpt4all_training.training.checkpoint import FINAL_DIR, checkpoint_dirs
+from gpt4all_training.training.objectives import objective_for
 
 CLI = "gpt4all-training"
 # The keys an inference run must share with the training run it scores (the split and the tokens depend on them);
@@ -109,8 +110,9 @@ def show_examples(workdir: Workdir, preset: str, model_name: str, dataset_path: 
     config = load_config(known[preset], overrides)
     cli = command("data", "--config", known[preset] if preset.startswith("configs/train/") else preset, *overrides,
                   "--show", show)
-    if config.objective != "sft":
-        raise UserError(f"{preset}: objective {config.objective}: `data` shows sft examples only; `plan` counts this "
+    objective = objective_for(config)
+    if not objective.shows_examples:
+        raise UserError(f"{preset}: objective {objective.name}: `data` shows sft examples only; `plan` counts this "
                         f"objective's tokens and `check` tries a step of it")
     tokenizer = tokenizer_for(config)
     (train, _), (train_stats, val_stats) = load_data(config, tokenizer)

@@ -1,6 +1,6 @@
 """What a run trains, counted before it runs: the micro-batches of every step, their tokens, padding and packing.
 
-`plan` prints these; the objectives (training/objectives.py) compute them with the sampler the loop uses, so the
+`plan` prints these; the objectives (training/objectives/) compute them with the sampler the loop uses, so the
 planned steps, examples and trained tokens are the ones training then takes, for any number of processes.
 """
 
@@ -73,5 +73,3 @@ class DataPlan:
     total_steps: int
     run: TokenCounts
     notes: list[str] = field(default_factory=list)  # what the plan should say about this objective
-    reference_copies: int = 0  # frozen copies of the weights the objective keeps besides the trained model
-    rows_per_example: int = 1  # sequences a micro-batch holds per example (a dpo pair: 2)

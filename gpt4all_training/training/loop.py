@@ -18,17 +18,18 @@ import torch
 from gpt4all_training.backends.accelerate import build_backend
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.build import check_max_length
 from gpt4all_training.model.isolation import check_isolation
-from gpt4all_training.model.from_config import resolve_model_config
-from gpt4all_training.model.loading import check_positions, model_config, tokenizer_for
-from gpt4all_training.model.lora import apply_lora
-from gpt4all_training.model.parameters import count_parameters, param_groups, resident_parameters
+from gpt4all_training.model.loading import tokenizer_for
+from gpt4all_training.model.parameters import param_groups
+from gpt4all_training.paths import require_dataset
 from gpt4all_training.tracking.tracker import Tracker
 from gpt4all_training.training.checkpoint import Checkpointer, resume_point, resume_training
 from gpt4all_training.training.evaluate import Evaluator
 from gpt4all_training.training.final import finish_run
 from gpt4all_training.training.meter import ThroughputMeter, peak_memory
 from gpt4all_training.training.objectives import objective_for
+from gpt4all_training.training.objectives.protocol import TrainingObjective
 from gpt4all_training.training.schedule import build_scheduler, total_optimizer_steps
 from gpt4all_training.training.step import train_step
 from gpt4all_training.training.stop import GracefulStop
@@ -46,16 +47,17 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     if config.nan_policy == "skip" and not backend.supports_nan_skip:
         raise UserError("nan_policy: 'skip' is not available under DeepSpeed, whose engine applies the update inside "
                         "backward, before the step's loss is known; use 'stop'")
-    objective = objective_for(config)
+    objective: TrainingObjective = objective_for(config)  # the loop asks nothing of its checks face
     start = resume_point(config, backend, log)  # before the data: cheap, and its line is the first
+    require_dataset(config.dataset_path)  # a typo is one line now, not after the tokenizer has loaded
 
     tokenizer = tokenizer_for(config)
-    check_positions(architecture(config, tokenizer), config.max_length)  # before the minutes of tokenising
+    check_max_length(config, tokenizer)  # before the minutes of tokenising
     with backend.main_process_first():
         data = objective.load_data(config, tokenizer, log, backend.world_size)
     log(data.train_stats.describe("train"))
     log(data.val_stats.describe("validation"))
-    model = build_model(objective, config, tokenizer, backend)
+    model = objective.build_model(config, tokenizer, backend)
     sampler = objective.sampler(config, data, backend.world_size, backend.rank)
     total_steps = total_optimizer_steps(sampler.steps_per_epoch, config.num_epochs, config.max_steps)
     model, optimizer, scheduler = prepare(model, config, backend, total_steps)
@@ -79,8 +81,9 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
             model.train()
             while state.step < total_steps:
                 stop.last_step = state.step + 1 == total_steps
-                batches = [objective.fetch(data.train, indices, tokenizer.pad_token_id)
-                           for indices in sampler.step_indices(state.step)]
+                with meter.building_batches():
+                    batches = objective.step_batches(model, backend, data.train, state.step,
+                                                     sampler.step_indices(state.step), tokenizer.pad_token_id)
                 result = train_step(model, batches, backend, optimizer, scheduler, config.max_grad_norm, state.step,
                                     objective.loss, config.nan_policy,
                                     grad_norms=bool(grads_every) and (state.step + 1) % grads_every == 0,
@@ -125,31 +128,10 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     return summary
 
 
-def build_model(objective, config: TrainConfig, tokenizer, backend):
-    """The objective's model, with a LoRA adapter when asked; its parameter counts logged."""
-    model = objective.build_model(config, tokenizer)
-    if config.lora:
-        model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
-                           config.gradient_checkpointing)
-    trainable, total = count_parameters(model)
-    resident = resident_parameters(model)  # FSDP2 shards later, in prepare(), and says so there
-    backend.print(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)"
-                  + (f"; ZeRO-3 partitioned them as they were built: this rank holds {resident:,}"
-                     if resident < total else ""))
-    return model
-
-
-def architecture(config: TrainConfig, tokenizer):
-    """The config of the model to train, without its weights: built from model_config, or model_name's."""
-    if config.init == "from_config":
-        return resolve_model_config(config, tokenizer)
-    return model_config(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code)
-
-
 def prepare(model, config: TrainConfig, backend, total_steps: int):
     """(model, optimizer, scheduler), wrapped by the backend: AdamW over our parameter groups, our lr schedule."""
-    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.999),
-                                  eps=1e-8)
+    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay, backend.parameter_shape), lr=config.lr,
+                                  betas=(0.9, 0.999), eps=1e-8)
     model, optimizer = backend.prepare(model, optimizer)
     if config.packing:
         check_isolation(model)  # refuse a model that would attend across packed examples (every rank runs it)

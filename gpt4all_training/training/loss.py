@@ -9,8 +9,9 @@ its forward, so the backward pass only scales them: the projection is not recomp
 chunk's logits instead of batch x length x vocab of them. Prompt and padding positions never reach the head at all.
 
 The plain path (full logits, then cross-entropy) remains for heads it cannot reproduce exactly: a head that is not a
-plain `nn.Linear` (LoRA on lm_head, modules_to_save), ZeRO-3 partitioned weights, or logit soft-capping/scaling;
-and under XLA, where selecting the trained positions would give every batch a new shape to compile.
+plain `nn.Linear` (LoRA on lm_head, modules_to_save), or logit soft-capping/scaling; and where the backend does not
+allow it (`chunks_output_head`: a ZeRO-3 head's weight is a partition; under XLA selecting the trained positions
+would give every batch a new shape to compile), which model/build.py records on the model once, when it builds it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt4all_training.batch import IGNORE, model_inputs
+from gpt4all_training.model.build import chunked_head_allowed
 from gpt4all_training.model.wrappers import unwrap_model
 
 # Logits elements per chunk: 8M floats (32 MiB in fp32), e.g. 170 rows of a 49k vocabulary.
@@ -34,11 +36,14 @@ _IDENTITY = nn.Identity()  # one instance, so a compiled model sees the same mod
 
 
 def output_head(model) -> tuple[nn.Module, str, nn.Linear] | None:
-    """(parent module, attribute name, head) when the chunked loss reproduces the model's logits exactly, else None."""
+    """(parent module, attribute name, head) when the chunked loss reproduces the model's logits exactly and the
+    backend allows it (recorded on the model when it was built), else None."""
+    if not chunked_head_allowed(model):
+        return None
     inner = unwrap_model(model)
     get_head = getattr(inner, "get_output_embeddings", None)
     head = get_head() if get_head else None
-    if type(head) is not nn.Linear or hasattr(head.weight, "ds_id"):
+    if type(head) is not nn.Linear:
         return None
     config = getattr(inner, "config", None)
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_TRANSFORMS):
@@ -225,8 +230,7 @@ def token_loss(model, batch: dict[str, torch.Tensor], z_loss: float = 0.0, last_
     context), so that only those are built whole besides.
     """
     targets = batch["labels"][:, 1:]
-    # XLA: the chunked head selects trained tokens by a boolean mask, a data-dependent shape that recompiles.
-    found = None if batch["input_ids"].device.type == "xla" else output_head(model)
+    found = output_head(model)
     if found is None:
         shifted = model(**model_inputs(batch)).logits[:, :-1].float()
         targets = targets.to(shifted.device)
@@ -262,7 +266,7 @@ def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     preference loss compares. The chunked head is used where it reproduces the model's logits exactly (as in
     token_loss), else the full logits."""
     targets = batch["labels"][:, 1:]
-    found = None if batch["input_ids"].device.type == "xla" else output_head(model)
+    found = output_head(model)
     if found is None:
         shifted = model(**model_inputs(batch)).logits[:, :-1].float()
         targets = targets.to(shifted.device)

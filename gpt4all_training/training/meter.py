@@ -1,5 +1,5 @@
 """Throughput and the training row: tokens per second over the steps since the last row, with evaluation and saving
-kept out of the clock."""
+kept out of the clock, and that time split between building the steps' batches and updating the model."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class ThroughputMeter:
         self.log_every, self.total_steps, self.steps_per_epoch = log_every, total_steps, steps_per_epoch
         self.count_skips = count_skips
         self.window = dict.fromkeys(COUNTS, 0.0)
+        self.batch_seconds = 0.0  # of the window, building batches
         self.started = time.perf_counter()
         self.run = dict.fromkeys(("seconds", *COUNTS), 0.0)
         self.skipped = {"row": 0, "run": 0}  # since the last row, and in this process
@@ -57,6 +58,16 @@ class ThroughputMeter:
         finally:
             self.started += time.perf_counter() - paused
 
+    @contextlib.contextmanager
+    def building_batches(self) -> Iterator[None]:
+        """The step's batches are being built: read from the data, or for an objective that samples from the model,
+        generated. Timed apart from the update, since generation can take most of a step."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.batch_seconds += time.perf_counter() - began
+
     def row(self, result: dict[str, Any], state: TrainState, device: torch.device) -> dict[str, Any]:
         """The training row of this step (the window since the last row), then a new window."""
         seconds = time.perf_counter() - self.started
@@ -64,6 +75,7 @@ class ThroughputMeter:
         row = {"loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
                "tokens_per_s": window["real"] / seconds, "trained_tokens_per_s": window["trained"] / seconds,
                "padding_fraction": 1 - window["real"] / max(window["padded"], 1.0),
+               "batch_seconds": self.batch_seconds, "update_seconds": seconds - self.batch_seconds,
                "trained_tokens": state.trained_tokens, "epoch": state.epoch(self.steps_per_epoch),
                **peak_memory(device)}
         if self.count_skips:
@@ -72,6 +84,7 @@ class ThroughputMeter:
         for key in COUNTS:
             self.run[key] += window[key]
         self.window = dict.fromkeys(COUNTS, 0.0)
+        self.batch_seconds = 0.0
         self.started = time.perf_counter()
         return row
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import gpt4all_training.training.final as final
 import gpt4all_training.training.loop as train
-import gpt4all_training.training.objectives as objectives
+import gpt4all_training.training.objectives.sft as sft_objective
 from gpt4all_training.cli.main import main
 
 KIND, _, STEP = os.environ.get("FAULT", "none:0").partition(":")
@@ -82,7 +82,7 @@ def wrap_save_final(original):
 
 train.train_step = wrap_train_step(train.train_step)
 final.save_final = wrap_save_final(final.save_final)
-objectives.token_loss_sum = wrap_loss(objectives.token_loss_sum)  # the fine-tuning objective's loss
+sft_objective.token_loss_sum = wrap_loss(sft_objective.token_loss_sum)  # the fine-tuning objective's loss
 
 if __name__ == "__main__":
     main(["train", *sys.argv[1:]])

@@ -15,9 +15,9 @@ def metrics(output_dir: Path) -> list[dict]:
 
 
 def exact_rows(output_dir: Path) -> list[dict]:
-    """Every logged row, less what measures the machine rather than the training (speeds and memory peaks):
+    """Every logged row, less what measures the machine rather than the training (speeds, times and memory peaks):
     the losses, lr, gradient norms, token counts and validation results a resumed run must repeat bit for bit."""
-    return [{k: v for k, v in row.items() if not (k.endswith("_per_s") or k.startswith("peak_"))}
+    return [{k: v for k, v in row.items() if not (k.endswith(("_per_s", "_seconds")) or k.startswith("peak_"))}
             for row in metrics(output_dir)]
 
 

@@ -9,7 +9,7 @@ import json
 TOOL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
     "{% for call in message.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ call['function']['name'] }}\", "
-    "\"arguments\": {{ call['function']['arguments'] }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 

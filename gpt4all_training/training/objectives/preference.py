@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,14 +203,6 @@ class PairValidation:
 
 # ---------------------------------------------------------------- precomputing the reference
 
-def disable_dropout(model) -> None:
-    """Dropout off in every module, as TRL does for preference training: the policy and the reference must score a
-    text alike, or the loss would not start at its reference point (ln 2 for sigmoid)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
 @torch.no_grad()
 def reference_logps(model, dataset, backend, batch_size: int, pad_id: int) -> np.ndarray:
     """(pairs, 2) float32: each pair's chosen and rejected log-probabilities under `model`, every rank scoring its
@@ -248,8 +241,8 @@ def reference_key(config) -> str:
     import transformers
 
     code = hashlib.sha256()
-    for module in ("loss.py", "preference.py"):
-        code.update((Path(__file__).parent / module).read_bytes())
+    for source in (inspect.getsourcefile(sequence_logps), __file__):  # training/loss.py and this module
+        code.update(Path(source).read_bytes())
     described = {"model": [config.model_name, config.model_revision, config.gguf_file, model_files(config.model_name)],
                  "dtype": config.dtype, "code": code.hexdigest(),
                  "versions": [torch.__version__, transformers.__version__]}
