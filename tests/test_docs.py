@@ -26,10 +26,8 @@ import importlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -52,7 +50,7 @@ OTHER_TAGS = ("text", "yaml", "json", "jinja")
 # How a command starts: a program and a space, or a path or variable in front of one.
 PROGRAM = re.compile(r"(gpt4all-training|python|accelerate|torchrun|make|source|bash|vllm) "
                      r"|\.venv/bin/|scripts/|[A-Z_]+=\S+ ")
-DIRECTIVE = re.compile(r"<!--\s*docs-test:\s*(not-run\s+(?P<reason>.+?)|exit\s+(?P<exit>\d+))\s*-->", re.S)
+DIRECTIVE = re.compile(r"<!--\s*docs-test:\s*(not-run\s+(?P<reason>.+?)|exit\s+(?P<exit>\d+))\s*-->", re.DOTALL)
 SERVERS = re.compile(r"\bgpt4all-training (serve|studio)\b")
 TIMEOUT_S = 300
 TINY_MODEL = "models/tiny-chat"
@@ -89,7 +87,7 @@ class Shown:
 def substituted(text: str, ports: dict[str, int] | None = None) -> str:
     """`text` as the workspace runs it; the servers' ports filled in when given."""
     for pattern, replacement, _ in SUBSTITUTIONS:
-        text = re.sub(pattern, replacement, text, flags=re.M)
+        text = re.sub(pattern, replacement, text, flags=re.MULTILINE)
     for server, port in (ports or {}).items():
         text = text.replace("{" + server + "}", str(port))
     return text
@@ -136,7 +134,7 @@ def commands_of_block(lines: list[str], kind: str) -> list[tuple[int, str, list[
 
 def shown_in(page: Path, source: str | None = None) -> tuple[list[Shown], list[str]]:
     """The commands a page shows, and its fenced blocks that break the convention (as `page:line why`)."""
-    name = page.name if page.parent == REPO else str(page.relative_to(REPO))
+    name = str(page.relative_to(REPO)) if page.is_relative_to(DOCS) else page.name
     tokens = MarkdownIt("commonmark").enable("table").parse(page.read_text() if source is None else source)
     shown, problems = [], []
     previous = None
@@ -241,7 +239,8 @@ def test_substitutions_replace_only_what_the_table_names():
         f"gpt4all-training serve --model {TINY_MODEL} --port 5")
     assert substituted("gpt4all-training studio --workdir studio   # the app", ports) == (
         "gpt4all-training studio --workdir studio --port 6   # the app")
-    assert substituted("gpt4all-training serve --model m --port 9", ports) == "gpt4all-training serve --model m --port 9"
+    with_port = "gpt4all-training serve --model m --port 9"
+    assert substituted(with_port, ports) == with_port
     assert substituted("python train.py --config configs/train/smollm2_lora.yaml model_name=smollm2") == (
         f"python train.py --config configs/train/smollm2_lora.yaml model_name={TINY_MODEL}")
     assert substituted("output_dir: ckpts/smollm2-lora\nmodel_name: smollm2\n") == (
@@ -287,9 +286,55 @@ def test_every_option_a_page_names_in_passing_exists():
     assert checked > 20 and not wrong, "\n".join(wrong)
 
 
+# `key: value` or `key=value` as a page writes a setting (not `==`, not a keyword argument inside a call).
+SETTING = re.compile(r"(?<![\w.\-/])([a-z][a-z0-9_]*)(?:=(?!=)|: )")
+# Spans in that shape that name no setting: a server-sent event's `data:` line, the override form itself,
+# torch.load's argument.
+NOT_SETTINGS = {"data", "key", "weights_only"}
+
+
+def known_keys() -> set[str]:
+    """Every key a config of ours takes (training, inference, generation, tokenizer), and every key of the shipped
+    accelerate configs (the distributed page names theirs)."""
+    from gpt4all_training.config.loader import config_fields
+    from gpt4all_training.config.schemas import GenerateConfig, InferenceConfig, TokenizerConfig, TrainConfig
+
+    def keys_of(value) -> set[str]:
+        if isinstance(value, dict):
+            return set(value) | {key for inner in value.values() for key in keys_of(inner)}
+        return set()
+
+    keys = {name for cls in (TrainConfig, InferenceConfig, GenerateConfig, TokenizerConfig)
+            for name in config_fields(cls)}
+    for path in (REPO / "configs" / "accelerate").glob("*.yaml"):
+        keys |= keys_of(yaml.safe_load(path.read_text()))
+    return keys
+
+
+def test_every_config_key_a_page_names_exists():
+    """A setting in prose (`packing: true`, `resume=never`) and an override in any shown command, run or not
+    (`train.py --config c.yaml lora=true`), names a key the configs take."""
+    known = known_keys()
+    named = []  # (where, key)
+    # A command shown failing (exit 2) names a wrong key on purpose.
+    commands = [(c.id, c.text) for c in in_running_order() if c.kind != "python" and c.exit == 0]
+    for page in pages():
+        for line, span in code_spans(page):
+            where = f"{page.name}:{line} `{span}`"
+            if PROGRAM.match(span):
+                commands.append((where, span))
+            elif "(" not in span and "--" not in span:  # not a call's keywords, not another program's options
+                named += [(where, m[1]) for m in SETTING.finditer(span) if m[1] not in NOT_SETTINGS]
+    for where, text in commands:
+        if "--config " in text:
+            named += [(where, m[1]) for m in re.finditer(r"(?<=\s)([a-z][a-z0-9_]*)=(?!=)", text)]
+    wrong = [f"{where}: no config key {key}" for where, key in named if key not in known]
+    assert len(named) > 40 and not wrong, "\n".join(wrong)
+
+
 def test_the_readme_opens_with_the_two_setup_commands_and_stays_short():
     readme = (REPO / "README.md").read_text()
-    visible = re.sub(r"\A<!--.*?-->\n", "", readme, flags=re.S)  # the block's not-run comment, which shows nowhere
+    visible = re.sub(r"\A<!--.*?-->\n", "", readme, flags=re.DOTALL)  # the block's not-run comment, which shows nowhere
     assert visible.startswith("```sh\nmake demo ") and visible.split("```")[1].count("\n") == 3, readme[:300]
     assert [c.text for c in shown_in(REPO / "README.md")[0][:2]] == ["make demo", "make test"]
     assert len(readme.splitlines()) <= 250
@@ -299,7 +344,7 @@ def test_the_site_builds_strict(tmp_path):
     """Every link and every page in the navigation resolves (mkdocs --strict turns warnings into errors)."""
     mkdocs = Path(PYTHON).with_name("mkdocs")
     result = subprocess.run([str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     on_disk = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
     assert on_disk == set(navigation()), "a page on disk that the navigation leaves out, or the reverse"
@@ -425,7 +470,7 @@ def test_a_shown_command_runs_as_shown(command: Shown, workspace: Workspace):
         argv = ["bash", "-c", text]
     started = time.monotonic()
     result = subprocess.run(argv, cwd=workspace.root, env=workspace.env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, timeout=TIMEOUT_S)
+                            stderr=subprocess.STDOUT, timeout=TIMEOUT_S, check=False)
     where = f"$ {text}\n(exit {result.returncode} after {time.monotonic() - started:.1f} s)\n{result.stdout[-4000:]}"
     assert result.returncode == command.exit, where
     missing = printed_as_shown(command.output, result.stdout)
