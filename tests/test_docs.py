@@ -262,7 +262,8 @@ def code_spans(page: Path) -> list[tuple[int, str]]:
 
 
 # Where a command of ours starts in a command line, also after a launcher (`accelerate launch ... train.py`).
-SUBCOMMAND = re.compile(r"(?:^|\s)(?:gpt4all-training ([a-z_]+)|python ([a-z_]+)\.py|([a-z_]+)\.py)(?=\s|$)(.*)", re.DOTALL)
+SUBCOMMAND = re.compile(r"(?:^|\s)(?:gpt4all-training ([a-z_]+)|python ([a-z_]+)\.py|([a-z_]+)\.py)(?=\s|$)(.*)",
+                        re.DOTALL)
 
 
 @pytest.mark.slow
