@@ -31,7 +31,9 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
                   Examples, DataSource, TextField, Preference, Objective, LoRA, TrainingCompute, ModelSource):
     """training: a fine-tuning, preference-tuning or pretraining run (`train`; `data`, `plan` and `check` read the
     same config)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc(
+    # Training alone also takes auto (resolved before the run starts, training/precision.py); the other configs load
+    # weights in their dtype and take only the concrete ones, hence the wider type than ModelSource's.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc(  # type: ignore[assignment]
         "Compute precision: auto, float32, bfloat16 or float16. Training autocasts over fp32 master weights. auto is "
         "bfloat16 on a GPU with bf16 and on a CPU with native bf16 (AMX or AVX512-BF16), float32 elsewhere; a resumed "
         "run keeps the dtype its run resolved.", "auto")
@@ -129,7 +131,8 @@ class GenerateConfig(PromptFormat, ModelSource):
             Check("top_k", self.top_k >= 0, "must be >= 0 (0 keeps all)"),
             Check("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 disables it)"),
             Check("batch_size", self.batch_size >= 1, "must be at least 1"),
-            Check("prompts_file", not (self.prompt and self.prompts_file), "give either prompt or prompts_file, not both"),
+            Check("prompts_file", not (self.prompt and self.prompts_file),
+                  "give either prompt or prompts_file, not both"),
             Check("messages_file", not (self.messages_file and (self.prompt or self.prompts_file)),
                   "give either messages_file or a prompt (prompt, prompts_file), not both"),
             Check("stop", all(self.stop), "empty stop strings would end every response at once; remove them",

@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
 from gpt4all_training.backends.precision import native_dtype
+from gpt4all_training.config.blocks import Dtype
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.training.checkpoint import (
-    CONFIG_FILE,
-    checkpoint_dirs,
-    read_run_id,
-    saved_run_id,
-)
+from gpt4all_training.training.checkpoint import CONFIG_FILE, checkpoint_dirs, read_run_id, saved_run_id
 
-CONCRETE_DTYPES = ("float32", "bfloat16", "float16")
+CONCRETE_DTYPES = typing.get_args(Dtype)
 
 
 def main_process_print(line: str) -> None:
@@ -37,7 +33,7 @@ def resolve_dtype(config: TrainConfig, log: Callable[[str], Any] = main_process_
     resumed = resumed_dtype(config)
     dtype, why = (resumed, "what the run this one continues resolved") if resumed else native_dtype()
     log(f"dtype: auto is {dtype} ({why})")
-    return dataclasses.replace(config, dtype=dtype)
+    return dataclasses.replace(config, dtype=typing.cast(Dtype, dtype))
 
 
 def resumed_dtype(config: TrainConfig) -> str | None:
