@@ -218,7 +218,7 @@ def test_a_split_other_than_the_training_runs_is_refused_in_one_line(tiny_model_
     data = write_jsonl(tmp_path / "data" / "sums_clean.jsonl", rows).parent
     run = validate(TrainConfig(model_name=str(tiny_model_dir), dataset_path=str(data), output_dir=str(tmp_path / "run"),
                                max_length=64, batch_size=4, seed=7, val_fraction=0.25, max_steps=2, eval_every=None,
-                               save_every=None, num_proc=1))
+                               save_every=None, num_proc=1, dtype="float32"))
     train(run)
     final = tmp_path / "run" / "final"
     inference = tmp_path / "inference.yaml"

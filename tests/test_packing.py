@@ -217,7 +217,8 @@ def test_packed_training_run_equals_unpacked_run(tiny_model_dir, clean_dolly, tm
     def run(name: str, *extra: str):
         overrides = [f"model_name={tiny_model_dir}", f"dataset_path={clean_dolly}", "max_length=128",
                      "batch_size=4", "gradient_accumulation_steps=2", "max_steps=3", "lr=1e-3", "warmup_steps=0",
-                     "eval_every=null", "save_every=null", "seed=7", f"output_dir={tmp_path / name}", *extra]
+                     "eval_every=null", "save_every=null", "seed=7", "dtype=float32", f"output_dir={tmp_path / name}",
+                     *extra]
         summary = train(load_config(None, overrides))
         weights = load_file(tmp_path / name / "final" / "model.safetensors")
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
