@@ -64,14 +64,14 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     objective.before_training(model, data, backend, tokenizer.pad_token_id, log)
     log(objective.steps_line(sampler, total_steps, config.num_epochs))
     state, lineage = resume_training(config, backend, model, optimizer, scheduler, sampler, start,
-                                     data.fingerprint, log)
+                                     data.fingerprint, log, objective)
 
     tracker = Tracker(config.output_dir, config.report_to, config.to_dict(), backend.is_main_process,
                       resume_step=state.step, project=config.wandb_project_name, entity=config.wandb_entity)
     meter = ThroughputMeter(config.log_every, total_steps, sampler.steps_per_epoch, config.nan_policy == "skip")
     evaluator = Evaluator(config, backend, data.val, tokenizer.pad_token_id, total_steps, log, objective.validation)
     others = [build(config, backend, tokenizer, total_steps, log) for build in evaluators]
-    checkpointer = Checkpointer(config, backend, sampler, total_steps, lineage, data.fingerprint)
+    checkpointer = Checkpointer(config, backend, sampler, total_steps, lineage, data.fingerprint, objective)
     if backend.is_main_process:  # a kill between an earlier save and its rotation left one checkpoint too many
         checkpointer.rotate()
     grads_every = grad_norms_interval(config, backend)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from gpt4all_training.data.cache import cache_entry, cached_splits
 from gpt4all_training.data.pairs import (fetch_pairs, load_pair_data, load_preference_records, pair_count,
@@ -63,6 +64,12 @@ class DirectPreference:
 
     def step_batches(self, model, backend, dataset, step: int, indices: list[list[int]], pad_id: int) -> list[Batch]:
         return [self.fetch(dataset, micro, pad_id) for micro in indices]  # from the data (and its reference) alone
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # each step's batches come from the data alone
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Nothing to take back."""
 
     def window_metrics(self, backend) -> dict[str, float]:
         return self.loss.window_metrics(backend)  # rewards/*, logps/* (a collective)
