@@ -1,7 +1,6 @@
 """objective: grpo on the tiny GPT-J: group advantages by hand, the rewards, the loss and gradients against TRL's
 GRPOTrainer for each loss_type, no reference forward at beta 0, a ratio of exactly 1 at num_iterations 1, rollouts
-drawn from the weights being trained, failing rewards, learning a rewarded answer and resuming after kills, clean.py
---prompts, the config's refusals and the plan.
+drawn from the weights being trained, failing rewards, learning a rewarded answer and resuming after kills.
 
 Everything but the learning run's interrupted parts runs in this process: the loop's own pieces (objective_for, the
 objective's build_model, prepare, step_batches, train_step) or train().
@@ -10,7 +9,6 @@ objective's build_model, prepare, step_batches, train_step) or train().
 from __future__ import annotations
 
 import copy
-import json
 import math
 import signal
 from dataclasses import dataclass
@@ -27,7 +25,6 @@ from gpt4all_training.batch import IGNORE
 from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.data.clean import clean
 from gpt4all_training.errors import TrainingError, UserError
 from gpt4all_training.files import marker_problem
 from gpt4all_training.training.loop import prepare, train
@@ -71,9 +68,9 @@ def answer_seven(completions, target, **columns):
 def fails(completions, **columns):
     global calls
     calls += 1
-    if calls < 2:
+    how = os.environ.get("GRPO_TEST_FAILURE")
+    if calls < 2 or how is None:
         return [0.5] * len(completions)
-    how = os.environ["GRPO_TEST_FAILURE"]
     if how == "raises":
         raise ValueError("the grader lost its key")
     if how == "nan":
@@ -234,7 +231,8 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(loss_type, masked, trl_grpo,
 
     untrained = (batch["labels"] == IGNORE).all(1)
     assert untrained.any() == masked and not untrained.all()  # masked: truncated completions, none trained
-    oracle = GRPOTrainer(model=copy.deepcopy(run.backend.unwrap(model)), reward_funcs=[run.objective.rewards[0].function],
+    oracle = GRPOTrainer(model=copy.deepcopy(run.backend.unwrap(model)),
+                         reward_funcs=[run.objective.rewards[0].function],
                          args=GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8,
                                          report_to=[], use_cpu=True, bf16=False, save_strategy="no", **settings),
                          train_dataset=datasets.Dataset.from_dict({"prompt": ["unused"] * 8}),
@@ -292,3 +290,211 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(loss_type, masked, trl_grpo,
     for key in ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
         assert metrics[key] == pytest.approx(trl_metrics[key], abs=1e-5), key
     assert metrics["clip_ratio/region_mean"] > 0
+
+
+# ---------------------------------------------------------------- the reference, the ratio, the rollout policy
+
+class ForwardCounter:
+    """Counts the forwards of the model's own module that score whole rows (no KV cache): the loss's and the
+    reference's, not the decoder's steps."""
+
+    def __init__(self, module) -> None:
+        self.count = 0
+        module.register_forward_pre_hook(self.seen, with_kwargs=True)
+
+    def seen(self, module, args, kwargs) -> None:
+        self.count += not kwargs.get("use_cache", False)
+
+
+@pytest.mark.parametrize("beta, lora", [(0.0, False), (0.1, False), (0.1, True)])
+def test_the_reference_runs_only_with_beta_and_equal_rewards_move_nothing(beta, lora, tiny_model_dir, tokenizer,
+                                                                          prompts_dir, reward_file, tmp_path):
+    """beta 0: no reference at all (no frozen copy, no forward with the adapter disabled): sampling two micro-batches
+    runs no scoring forward. beta > 0: one reference forward per micro-batch (the frozen copy's, or the policy's with
+    the adapter off). A constant reward gives every group advantages 0: with beta 0 the loss and every gradient are 0
+    exactly."""
+    config = grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file, "constant", beta=beta, lora=lora,
+                         gradient_accumulation_steps=2)
+    run = prepared(config, tokenizer)
+    policy = run.backend.unwrap(model=run.model)
+    policy = policy.get_base_model() if lora else policy
+    counters = {"policy": ForwardCounter(policy)}
+    if run.objective.frozen is not None:
+        counters["frozen"] = ForwardCounter(run.objective.frozen)
+    assert (run.objective.frozen is not None) == (beta > 0 and not lora)
+    batches = run.batches(0, [[0, 1], [2, 3]])
+    seen = {name: counter.count for name, counter in counters.items()}
+    expected = {"policy": 2 if lora and beta else 0, **({"frozen": 2} if "frozen" in counters else {})}
+    assert seen == expected
+    assert all(("ref_logps" in batch) == (beta > 0) for batch in batches)
+    assert all(batch["advantages"].eq(0).all() for batch in batches)
+    if beta == 0:
+        loss = run.objective.loss(run.model, run.backend.to_device(batches[0]))
+        loss.backward()
+        assert loss.item() == 0.0
+        assert all(g.eq(0).all() for g in gradients(run.model).values()) and gradients(run.model)
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_one_iteration_keeps_the_ratio_at_one_so_the_clip_never_fires(iterations, tiny_model_dir, tokenizer,
+                                                                      prompts_dir, reward_file, tmp_path):
+    """With a clip of 1e-6 any ratio but exactly 1 would clip. num_iterations 1: no token is clipped at any step.
+    num_iterations 2: the second step on the same completions (the weights moved by the first) clips tokens."""
+    config = grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file, epsilon=1e-6, num_iterations=iterations,
+                         lr=1e-2)
+    run = prepared(config, tokenizer)
+    clipped = []
+    for step in range(3):
+        indices = run.objective.sampler(config, run.data, 1, 0).step_indices(step)
+        batches = run.batches(step, indices)
+        assert all(("old_logps" in batch) == (iterations > 1) for batch in batches)  # 1: ratio = exp(logp - logp)
+        run.step(batches, step)
+        clipped.append(run.objective.window_metrics(run.backend)["clip_ratio/region_mean"])
+    assert clipped[0] == 0.0
+    if iterations == 1:
+        assert clipped == [0.0, 0.0, 0.0]
+    else:
+        assert clipped[1] > 0.1 and clipped[2] == 0.0  # step 3 samples afresh: its ratio is 1 again
+
+
+def test_the_rollout_policy_is_the_trained_policy(tiny_model_dir, tokenizer, prompts_dir, reward_file, tmp_path):
+    """After an update, the next sampling's log-probabilities (the decoder's, of the tempered distribution) are those
+    a fresh forward of the updated weights gives the same rows, not those of the weights before the update."""
+    config = grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file, temperature=0.7, lr=1e-2)
+    run = prepared(config, tokenizer)
+    sampler = run.objective.sampler(config, run.data, 1, 0)
+    before = copy.deepcopy(run.backend.unwrap(run.model)).eval()
+    run.step(run.batches(0, sampler.step_indices(0)), 0)
+    [batch] = run.batches(1, sampler.step_indices(1))
+    after = copy.deepcopy(run.backend.unwrap(run.model)).eval()
+    trained = batch["labels"][:, 1:] != IGNORE
+    with torch.no_grad():
+        fresh, stale = (token_logps(model, batch, 0.7)[0] for model in (after, before))
+    sampled = batch["sampled_logps"]
+    assert (sampled - fresh).abs()[trained].max() < 1e-5
+    assert (sampled - stale).abs()[trained].max() > 1e-2
+    run.step([batch], 1)
+    assert run.objective.window_metrics(run.backend)["sampling/sampling_logp_difference/max"] < 1e-5
+
+
+# ---------------------------------------------------------------- a user's reward that fails
+
+@pytest.mark.parametrize("how, message", [
+    ("raises", "raised ValueError: the grader lost its key"),
+    ("nan", "returned nan for completion 1; return finite numbers"),
+    ("short", "returned 7 values for 8 completions; return one number per completion"),
+])
+def test_a_failing_reward_stops_the_run_in_one_line_keeping_the_last_checkpoint(
+        how, message, tiny_model_dir, tokenizer, prompts_dir, reward_file, tmp_path, monkeypatch):
+    """The reward works at step 1 and fails at step 2: one line naming the file and the function, and step_1/ (saved
+    before) is whole; a fixed reward then continues from it."""
+    import importlib
+
+    monkeypatch.setenv("GRPO_TEST_FAILURE", how)
+    monkeypatch.setattr(importlib.util, "spec_from_file_location", fresh_module(importlib.util.spec_from_file_location))
+    config = grpo_config(tiny_model_dir, prompts_dir, tmp_path / "run", reward_file, "fails", save_every=1,
+                         keep_last=3)
+    with pytest.raises(TrainingError) as stopped:
+        train(config)
+    line = str(stopped.value)
+    assert line == (f"reward fails in {reward_file} {message}; fix it, then run the same command again to continue "
+                    f"from the last checkpoint")
+    assert sorted(p.name for p in (tmp_path / "run").glob("step_*")) == ["step_1"]
+    assert marker_problem(tmp_path / "run" / "step_1") is None
+    monkeypatch.delenv("GRPO_TEST_FAILURE")
+    summary = train(config)
+    assert summary["steps"] == 4 and [row["step"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == \
+        [1, 2, 3, 4]
+
+
+def fresh_module(original):
+    """importlib's spec_from_file_location, each call a module of its own: every run imports the reward file afresh
+    (its call counter at 0), as a new process would."""
+    count = iter(range(1_000_000))
+
+    def spec(name, location, *args, **kwargs):
+        return original(f"{name}_{next(count)}", location, *args, **kwargs)
+    return spec
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"module": "no/such/rewards.py", "function": "score"},
+     "rewards: module no/such/rewards.py: no such file; give the path of the Python file that defines score"),
+    ({"module": "REWARDS", "function": "scorer"},
+     "rewards: module REWARDS defines no function 'scorer' at its top level (it defines: variety, constant, "
+     "answer_seven, fails); fix function or the file"),
+])
+def test_a_missing_reward_file_or_function_is_one_line_before_the_model_loads(entry, message, tiny_model_dir,
+                                                                            prompts_dir, reward_file, tmp_path):
+    entry = {key: str(reward_file) if value == "REWARDS" else value for key, value in entry.items()}
+    config = grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file)
+    config.rewards = [entry]
+    with pytest.raises(UserError) as refused:
+        train(config)
+    assert str(refused.value) == message.replace("REWARDS", str(reward_file))
+    assert not (tmp_path / "run_id").exists()
+
+
+# ---------------------------------------------------------------- learning, and resuming exactly
+
+SEVEN = [{"prompt": f"Question {i}: say a number.", "target": "7", "source": "t"} for i in range(32)]
+
+
+def learning_values(model_dir, data_dir, reward_file, **overrides) -> dict:
+    values = dict(model_name=str(model_dir), dataset_path=str(data_dir), objective="grpo",
+                  rewards=[{"module": str(reward_file), "function": "answer_seven"}], num_generations=8,
+                  max_completion_length=4, max_length=32, batch_size=8, lr=3e-2, min_lr=3e-2, warmup_steps=0,
+                  max_grad_norm=1.0, num_epochs=50, max_steps=20, val_fraction=0.0, eval_every=None, save_every=1,
+                  keep_last=3, num_proc=1, seed=0, report_to=["jsonl"])
+    values.update(overrides)
+    return values
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_rewarded_answer_is_learned_and_a_kill_between_sampling_and_update_resumes_bitwise(
+        tiny_model_dir, reward_file, tmp_path):
+    """The reward is 1 when the last number a completion says is 7, which the random model says in under 2% of its
+    completions: within 20 steps the mean reward passes 0.8. The same run, SIGKILLed by its reward function at the
+    8th sampling (after sampling step 8's completions, before its update), then run again, resumes from step_7 and
+    ends with the rows and weights of the run that never stopped, bit for bit. 16 completions of each prompt, so that
+most steps see a 7 somewhere (with 8, a run can go a dozen steps without one: no signal)."""
+    data = write_jsonl(tmp_path / "data" / "seven_clean.jsonl", SEVEN).parent
+    config = write_config(tmp_path, learning_values(tiny_model_dir, data, reward_file, num_generations=16))
+    train(load_config(config, [f"output_dir={tmp_path / 'whole'}"]))
+    rewards = [row["reward"] for row in exact_rows(tmp_path / "whole")]
+    assert rewards[0] < 0.2 and rewards[-1] > 0.8, rewards
+    assert len(rewards) == 20
+
+    killed = run_train(config, tmp_path / "resumed", env={"GRPO_TEST_SIGNAL": "KILL:8"})
+    assert killed.returncode == -signal.SIGKILL, explain(killed)
+    assert [row["step"] for row in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")][-1] == 7
+    resumed = run_train(config, tmp_path / "resumed")
+    assert resumed.returncode == 0, explain(resumed)
+    assert "resumed from" in resumed.stdout + resumed.stderr and "step_7" in resumed.stdout + resumed.stderr
+    assert exact_rows(tmp_path / "resumed") == exact_rows(tmp_path / "whole")
+    assert_bitwise_equal_weights(tmp_path / "resumed" / "final", tmp_path / "whole" / "final")
+
+
+def test_a_stop_between_two_steps_on_the_same_completions_resumes_with_them(tiny_model_dir, reward_file, tmp_path,
+                                                                            monkeypatch):
+    """num_iterations 2: a SIGTERM at the second sampling (step 3) stops after step 3 with a checkpoint holding the
+    completions step 4 trains on again (objective/rank0.pt); the resumed run takes them back and repeats the run that
+    never stopped bit for bit."""
+    import importlib
+
+    monkeypatch.setattr(importlib.util, "spec_from_file_location", fresh_module(importlib.util.spec_from_file_location))
+    data = write_jsonl(tmp_path / "data" / "seven_clean.jsonl", SEVEN).parent
+    values = learning_values(tiny_model_dir, data, reward_file, num_iterations=2, max_steps=6, num_generations=4,
+                             batch_size=4)
+    train(validate(TrainConfig(**values, output_dir=str(tmp_path / "whole"))))
+    monkeypatch.setenv("GRPO_TEST_SIGNAL", "TERM:2")
+    stopped = train(validate(TrainConfig(**values, output_dir=str(tmp_path / "resumed"))))
+    assert stopped["steps"] == 3 and stopped["exit_code"] == 128 + signal.SIGTERM
+    saved = torch.load(tmp_path / "resumed" / "step_3" / "objective" / "rank0.pt", weights_only=True)
+    assert int(saved["step"]) == 2 and saved["batch0.input_ids"].shape[0] == 16
+    assert not (tmp_path / "resumed" / "step_2" / "objective").exists()  # step 3 samples afresh: nothing to keep
+    monkeypatch.delenv("GRPO_TEST_SIGNAL")
+    train(validate(TrainConfig(**values, output_dir=str(tmp_path / "resumed"))))
+    assert exact_rows(tmp_path / "resumed") == exact_rows(tmp_path / "whole")
+    assert_bitwise_equal_weights(tmp_path / "resumed" / "final", tmp_path / "whole" / "final")
