@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.files import read_jsonl, write_config, write_jsonl
-from support.launch import explain, run_train
-from support.outputs import assert_bitwise_equal_weights, exact_rows
+from support.launch import explain, run_train, torchrun
+from support.outputs import assert_bitwise_equal_weights, exact_rows, max_weight_difference
 
 from gpt4all_training.backends.accelerate import backend_for
 from gpt4all_training.batch import IGNORE
@@ -498,3 +498,43 @@ def test_a_stop_between_two_steps_on_the_same_completions_resumes_with_them(tiny
     train(validate(TrainConfig(**values, output_dir=str(tmp_path / "resumed"))))
     assert exact_rows(tmp_path / "resumed") == exact_rows(tmp_path / "whole")
     assert_bitwise_equal_weights(tmp_path / "resumed" / "final", tmp_path / "whole" / "final")
+
+
+# ---------------------------------------------------------------- two processes
+
+@pytest.mark.integration
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_train_as_one(tiny_model_dir, prompts_dir, reward_file, tmp_path):
+    """DDP on 2 ranks (2 prompts each) against 1 process (4 prompts a step): the same completions (seeded per
+    prompt), so the same rewards to the bit, and losses and weights equal within a tolerance derived from one process
+    itself: the same steps as 2 micro-batches of 2 prompts (gradient accumulation) sum in another order, as the
+    ranks do; their difference, times 10, bounds the one between the ranks and one process."""
+    values = {"model_name": str(tiny_model_dir), "dataset_path": str(prompts_dir), "objective": "grpo",
+              "rewards": [{"module": str(reward_file), "function": "variety"}], "num_generations": 4,
+              "max_completion_length": 6, "max_length": 32, "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0,
+              "val_fraction": 0.0, "num_epochs": 10, "max_steps": 3, "eval_every": None, "save_every": None,
+              "num_proc": 1, "seed": 0, "report_to": ["jsonl"], "beta": 0.04}
+    config = write_config(tmp_path, values)
+    train(load_config(config, [f"output_dir={tmp_path / 'one'}", "batch_size=4"]))
+    train(load_config(config, [f"output_dir={tmp_path / 'accumulated'}", "batch_size=2",
+                               "gradient_accumulation_steps=2"]))
+    two = run_train(config, tmp_path / "two", "batch_size=2", launcher=torchrun(2))
+    assert two.returncode == 0, explain(two)
+    one, accumulated, ranks = ([row for row in exact_rows(tmp_path / name) if "loss" in row]
+                               for name in ("one", "accumulated", "two"))
+    assert len(one) == len(accumulated) == len(ranks) == 3
+    assert [row["reward"] for row in ranks] == [row["reward"] for row in one] == \
+        [row["reward"] for row in accumulated]
+    assert len({row["reward"] for row in one}) > 1  # the weights moved: each step sampled other completions
+
+    def loss_gap(rows) -> float:
+        return max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, one))
+
+    fp32 = torch.finfo(torch.float32).eps
+    weight_spread = max_weight_difference(tmp_path / "accumulated" / "final", tmp_path / "one" / "final")
+    weight_gap = max_weight_difference(tmp_path / "two" / "final", tmp_path / "one" / "final")
+    print(f"grpo 2 ranks vs 1: loss {loss_gap(ranks):.2e} (accumulation's {loss_gap(accumulated):.2e}), weights "
+          f"{weight_gap:.2e} (accumulation's {weight_spread:.2e})")
+    assert loss_gap(ranks) <= max(10 * loss_gap(accumulated), 16 * fp32)
+    assert weight_gap <= max(10 * weight_spread, 16 * fp32)
