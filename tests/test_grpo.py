@@ -403,8 +403,17 @@ def test_a_failing_reward_stops_the_run_in_one_line_keeping_the_last_checkpoint(
     assert marker_problem(tmp_path / "run" / "step_1") is None
     monkeypatch.delenv("GRPO_TEST_FAILURE")
     summary = train(config)
-    assert summary["steps"] == 4 and [row["step"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == \
-        [1, 2, 3, 4]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert summary["steps"] == 4 and [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["reward"] == 0.5 and row["rewards/fails/mean"] == 0.5 and row["frac_reward_zero_std"] == 1.0
+               for row in rows)
+    assert all(0 < row["generation_seconds"] < row["batch_seconds"] and row["completions/mean_length"] > 0 and
+               row["entropy"] > 0 and row["clip_ratio/region_mean"] == 0.0 for row in rows)
+    report = (tmp_path / "run" / "report.html").read_text(encoding="utf-8")
+    for panel, series in (("completion-rewards", "rewards-fails-mean"), ("completion-signal", "frac-reward-zero-std"),
+                          ("kl-entropy", "entropy"), ("completion-length", "completions-mean-length"),
+                          ("step-time", "generation-seconds")):
+        assert f"id='panel-{panel}'" in report and f'id="{series}"' in report, panel
 
 
 def fresh_module(original):
@@ -538,3 +547,26 @@ def test_two_processes_train_as_one(tiny_model_dir, prompts_dir, reward_file, tm
           f"{weight_gap:.2e} (accumulation's {weight_spread:.2e})")
     assert loss_gap(ranks) <= max(10 * loss_gap(accumulated), 16 * fp32)
     assert weight_gap <= max(10 * weight_spread, 16 * fp32)
+
+
+# ---------------------------------------------------------------- plan
+
+def test_plan_counts_prompts_and_completions_at_their_longest_and_states_the_reference(tiny_model_dir, prompts_dir,
+                                                                                       reward_file, tokenizer,
+                                                                                       tmp_path):
+    """4 steps of 2 prompts: each of the 8 prompts once, 4 completions each counted at max_completion_length (6);
+    beta 0: no reference; beta > 0 in full fine-tuning: a frozen fp32 copy (4 bytes a parameter) in memory."""
+    from gpt4all_training.preflight.plan import make_plan
+
+    config = grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file)
+    plan = make_plan(config)
+    prompt_tokens = sum(objective_for(config).load_data(config, tokenizer, print, 1).train.lengths())
+    assert (plan.train_examples, plan.run.examples, plan.run.trained) == (8, 8, 8 * 4 * 6)
+    assert plan.run.tokens == 4 * (prompt_tokens + 8 * 6)
+    assert "grpo: examples are prompts; each optimizer step trains on 4 completions of each of its 2 prompts, " \
+           "sampled afresh every 1 step(s): 32 completions in the run" in "\n".join(plan.notes)
+    assert "grpo reference: none (beta 0): no KL term and no reference forward" in plan.notes
+    assert plan.memory["full (DDP)"].reference == 0
+    frozen = make_plan(grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file, beta=0.1))
+    assert frozen.memory["full (DDP)"].reference == 4 * frozen.shape.parameters
+    assert any(note.startswith("grpo reference: a frozen fp32 copy") for note in frozen.notes)

@@ -32,6 +32,7 @@ completions; "dr_grpo": max_completion_length x completions.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -231,6 +232,7 @@ class GroupRelative:
         self.last_step = -1  # the step whose batches step_batches gave last
         self.window = np.zeros(len(SAMPLE_SUMS) + 2 * len(self.rewards), dtype=np.float64)
         self.extremes = np.full(2, -np.inf)  # -(shortest completion), longest, since the window began
+        self.generation_seconds = 0.0  # decoding completions, since the window began
 
     # ------------------------------------------------------------ data and model
 
@@ -336,7 +338,9 @@ class GroupRelative:
         sequences = [Sequence(prompts.ids[p], config.max_completion_length, sampling, rollout_seed(config.seed, step,
                                                                                                     p, j))
                      for p in positions for j in range(group)]
+        began = time.perf_counter()
         self.decode(model, sequences)
+        self.generation_seconds += time.perf_counter() - began
         values, total = self.scored(sequences, prompts, positions, group)
         batch_std = backend.gather(total.to(backend.device)).std().cpu() if config.scale_rewards == "batch" else None
         advantages, equal = group_advantages(total, group, config.scale_rewards, batch_std)
@@ -404,12 +408,13 @@ class GroupRelative:
         """TRL's metrics since the last call, over every process (a collective), then reset: the reward's and each
         reward's mean and std over completions, the share of groups whose rewards were all equal (no signal),
         completion lengths and the share cut at max_completion_length, the KL to the reference, the entropy, the
-        clipped share of tokens, and how far the sampling's log-probabilities are from the weights' own."""
+        clipped share of tokens, how far the sampling's log-probabilities are from the weights' own, and the time
+        spent decoding."""
         sample = backend.reduce(torch.from_numpy(self.window).to(backend.device)).cpu().numpy()
         loss = backend.reduce(self.loss.window.to(backend.device)).cpu().numpy()
-        extremes = backend.gather(torch.tensor([*self.extremes, self.loss.largest_difference],
-                                               device=backend.device)).view(-1, 3).max(dim=0).values.cpu().tolist()
-        self.window[:], self.extremes[:] = 0.0, -np.inf
+        extremes = backend.gather(torch.tensor([*self.extremes, self.loss.largest_difference, self.generation_seconds],
+                                               device=backend.device)).view(-1, 4).max(dim=0).values.cpu().tolist()
+        self.window[:], self.extremes[:], self.generation_seconds = 0.0, -np.inf, 0.0
         self.loss.window.zero_()
         self.loss.largest_difference = 0.0
         metrics: dict[str, float] = {}
@@ -428,6 +433,10 @@ class GroupRelative:
             metrics["completions/min_length"] = -extremes[0]
             metrics["completions/max_length"] = extremes[1]
             metrics["completions/clipped_ratio"] = own["truncated"] / n
+            # The slowest process's decoding (part of batch_seconds, apart from update_seconds), and the completion
+            # tokens of every process per second of it.
+            metrics["generation_seconds"] = extremes[3]
+            metrics["generation_tokens_per_s"] = own["tokens"] / max(extremes[3], 1e-9)
         tokens = loss[0]
         if tokens:
             named = dict(zip(LOSS_SUMS, loss))
