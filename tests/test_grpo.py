@@ -570,3 +570,14 @@ def test_plan_counts_prompts_and_completions_at_their_longest_and_states_the_ref
     frozen = make_plan(grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file, beta=0.1))
     assert frozen.memory["full (DDP)"].reference == 4 * frozen.shape.parameters
     assert any(note.startswith("grpo reference: a frozen fp32 copy") for note in frozen.notes)
+
+
+def test_prompts_written_only_as_messages_end_with_the_generation_prompt(chat_tokenizer):
+    """A dataset of message prompts alone (no text one to encode): each prompt is the chat template's rendering with
+    the generation prompt."""
+    from gpt4all_training.data.prompt_records import encode_prompt_records
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say 7."}]
+    [ids] = encode_prompt_records([{"prompt": messages}], chat_tokenizer, "chat")
+    expected = chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat_tokenizer.decode(ids) == expected and expected.endswith("<|im_start|>assistant\n")

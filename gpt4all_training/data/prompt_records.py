@@ -149,8 +149,9 @@ def encode_prompt_records(records: list[dict[str, Any]], tokenizer, template: st
     out: list[list[int] | str] = [prompt_problem(r["prompt"]) or [] for r in records]
     texts = [i for i, r in enumerate(records) if out[i] == [] and isinstance(r["prompt"], str)]
     chats = [i for i, r in enumerate(records) if out[i] == [] and isinstance(r["prompt"], list)]
-    for i, ids in zip(texts, encode_prompts([records[i]["prompt"] for i in texts], tokenizer, template)):
-        out[i] = ids
+    if texts:  # the tokenizer refuses an empty batch
+        for i, ids in zip(texts, encode_prompts([records[i]["prompt"] for i in texts], tokenizer, template)):
+            out[i] = ids
     if chats:
         require_trainable_chat(tokenizer, template, "prompts written as messages")
         encoded = ChatEncoder(tokenizer).encode([template_messages(records[i]["prompt"]) for i in chats],
