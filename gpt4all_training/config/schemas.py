@@ -73,8 +73,8 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
         loss_types = LOSS_TYPES.get(self.objective, ())
         return [
             Check("beta", self.beta is None or dpo or grpo, "only objectives dpo and grpo read it; remove it"),
-            Check("beta", not dpo or self.beta > 0, "must be > 0"),
-            Check("beta", not grpo or self.beta >= 0, "must be >= 0 (0: no reference)"),
+            Check("beta", not dpo or self.beta is None or self.beta > 0, "must be > 0"),
+            Check("beta", not grpo or self.beta is None or self.beta >= 0, "must be >= 0 (0: no reference)"),
             Check("loss_type", self.loss_type is None or self.loss_type in loss_types,
                   f"objective {self.objective} takes {', '.join(map(repr, loss_types[:-1]))} or {loss_types[-1]!r}"
                   if loss_types else
@@ -87,7 +87,7 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
             Check("reference", self.reference is None or dpo or grpo and self.reference == "frozen_copy",
                   "grpo samples new completions at every step, so nothing can be precomputed; leave reference unset"
                   if grpo else unread),
-            Check("reference", self.reference is None or not grpo or self.beta > 0,
+            Check("reference", self.reference is None or not grpo or (self.beta or 0) > 0,
                   "beta 0 has no reference; leave reference unset"),
             Check("reference", self.reference is None or self.loss_type != "simpo",
                   "simpo is reference-free; leave reference unset"),
@@ -160,7 +160,8 @@ class GenerateConfig(PromptFormat, ModelSource):
             Check("top_k", self.top_k >= 0, "must be >= 0 (0 keeps all)"),
             Check("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 disables it)"),
             Check("batch_size", self.batch_size >= 1, "must be at least 1"),
-            Check("prompts_file", not (self.prompt and self.prompts_file), "give either prompt or prompts_file, not both"),
+            Check("prompts_file", not (self.prompt and self.prompts_file),
+                  "give either prompt or prompts_file, not both"),
             Check("messages_file", not (self.messages_file and (self.prompt or self.prompts_file)),
                   "give either messages_file or a prompt (prompt, prompts_file), not both"),
             Check("stop", all(self.stop), "empty stop strings would end every response at once; remove them",

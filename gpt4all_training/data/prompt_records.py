@@ -156,8 +156,8 @@ def encode_prompt_records(records: list[dict[str, Any]], tokenizer, template: st
         require_trainable_chat(tokenizer, template, "prompts written as messages")
         encoded = ChatEncoder(tokenizer).encode([template_messages(records[i]["prompt"]) for i in chats],
                                                 [True] * len(chats))
-        for i, ids in zip(chats, encoded):
-            out[i] = ids if ids is not None else "template_refused"
+        for i, chat_ids in zip(chats, encoded):
+            out[i] = chat_ids if chat_ids is not None else "template_refused"
     return out
 
 
@@ -165,11 +165,11 @@ def prompt_split(records: list[dict[str, Any]], positions: list[int], encoded: l
                  max_length: int) -> tuple[Prompts, PromptStats]:
     """The prompts at `positions` that can be sampled from, and the split's statistics (every dropped one counted
     by its reason)."""
-    kept, dropped = Prompts(), {}
+    kept, dropped = Prompts(), dict[str, int]()
     for position in positions:
         ids = encoded[position]
-        reason = ids if isinstance(ids, str) else "prompt_too_long" if len(ids) > max_length else None
-        if reason:
+        if isinstance(ids, str) or len(ids) > max_length:
+            reason = ids if isinstance(ids, str) else "prompt_too_long"
             dropped[reason] = dropped.get(reason, 0) + 1
             continue
         kept.ids.append(ids)

@@ -69,7 +69,7 @@ class PolicySettings:
     temperature: float
 
     @classmethod
-    def of(cls, config) -> "PolicySettings":
+    def of(cls, config) -> PolicySettings:
         high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
         return cls(config.loss_type, config.beta, config.epsilon, high, config.temperature)
 
@@ -88,6 +88,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str,
     if scale == "group":
         return centred / (std.repeat_interleave(group_size) + STD_EPSILON), equal
     if scale == "batch":
+        assert batch_std is not None, "scale 'batch' divides by the step's std"
         return centred / (batch_std + STD_EPSILON), equal
     return centred, equal
 
@@ -178,7 +179,7 @@ class RewardValidation:
     reward (val_reward), each reward's mean and the completions' mean length. Held-out prompts are sampled on every
     process as validation shares any split (evaluate.py)."""
 
-    def __init__(self, objective: "GroupRelative") -> None:
+    def __init__(self, objective: GroupRelative) -> None:
         self.objective = objective
         self.width = 3 + len(objective.rewards)  # completions, weighted reward, completion tokens, each reward
 
@@ -226,7 +227,7 @@ class GroupRelative:
         self.tokenizer = None
         self.val = Prompts()
         self.eos_ids: set[int] = set()
-        self.backend = None
+        self.backend: Any = None  # the run's, from before_training on
         self.frozen = None  # the reference's frozen copy (full fine-tuning, beta > 0)
         self.rollout: Optional[Rollout] = None
         self.last_step = -1  # the step whose batches step_batches gave last
@@ -267,7 +268,7 @@ class GroupRelative:
                             "of every weight) is not supported yet; use one process, DDP or ZeRO-2")
         return build_training_model(config, tokenizer, backend, dropout_off=True)
 
-    def sampler(self, config, data: Data, world_size: int, rank: int) -> "RepeatedSteps":
+    def sampler(self, config, data: Data, world_size: int, rank: int) -> RepeatedSteps:
         lengths = data.train.lengths() if config.group_by_length else None
         return RepeatedSteps(StepSampler(len(data.train), config.batch_size, world_size, rank,
                                          config.gradient_accumulation_steps, config.seed, lengths=lengths),
@@ -515,7 +516,8 @@ class GroupRelative:
     def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
         """Every record has a prompt (text or messages); the first `sample_size` that can be sampled from are the
         sample."""
-        sample, count, shapes = [], 0, set()
+        sample: list[dict[str, Any]] = []
+        count, shapes = 0, set()
         for _, record in prompt_rows(config.dataset_path, config.revision):
             count += 1
             shapes.add("messages" if isinstance(record["prompt"], list) else "text")

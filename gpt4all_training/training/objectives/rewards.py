@@ -99,8 +99,9 @@ def numeric_match(field: str = "answer", pattern: Optional[str] = None,
     def reward(completions, **columns) -> list[float]:
         out = []
         for completion, answer in zip(completions, columns[field]):
-            got = as_number(final_answer(completion_text(completion), pattern or NUMBER))
-            out.append(float(got is not None and abs(got - as_number(str(answer))) <= tolerance))
+            got, expected = as_number(final_answer(completion_text(completion), pattern or NUMBER)), \
+                as_number(str(answer))
+            out.append(float(got is not None and expected is not None and abs(got - expected) <= tolerance))
         return out
     return reward
 
@@ -169,6 +170,8 @@ def load_user_reward(reward: Reward, log: Callable[[str], Any]) -> None:
     log(f"rewards: running your code: {reward.name} from {path} (imported once, called at every step, in this "
         f"process)")
     spec = importlib.util.spec_from_file_location(f"grpo_reward_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise UserError(f"rewards: module {reward.origin}: not a Python file Python can import; give a .py file")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -193,6 +196,7 @@ def score(rewards: list[Reward], prompts: list[Any], completions: list[Any], com
     reward failed and how). Never raises for the user's code: the caller stops every process together."""
     values = np.zeros((len(completions), len(rewards)), dtype=np.float64)
     for k, reward in enumerate(rewards):
+        assert reward.function is not None, "load_user_reward runs before the first step"
         try:
             got = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as exc:  # the user's code: reported in one line, the run stopped by the caller
