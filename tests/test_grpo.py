@@ -30,7 +30,7 @@ from gpt4all_training.files import marker_problem
 from gpt4all_training.training.loop import prepare, train
 from gpt4all_training.training.loss import token_logps
 from gpt4all_training.training.objectives import objective_for
-from gpt4all_training.training.objectives.grpo import group_advantages
+from gpt4all_training.training.objectives.grpo import group_advantages, kv_cache_bytes
 from gpt4all_training.training.objectives.rewards import builtin_reward
 from gpt4all_training.training.step import train_step
 
@@ -560,12 +560,17 @@ def test_plan_counts_prompts_and_completions_at_their_longest_and_states_the_ref
 
     config = grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file)
     plan = make_plan(config)
-    prompt_tokens = sum(objective_for(config).load_data(config, tokenizer, print, 1).train.lengths())
+    lengths = objective_for(config).load_data(config, tokenizer, print, 1).train.lengths()
+    prompt_tokens = sum(lengths)
     assert (plan.train_examples, plan.run.examples, plan.run.trained) == (8, 8, 8 * 4 * 6)
     assert plan.run.tokens == 4 * (prompt_tokens + 8 * 6)
     assert "grpo: examples are prompts; each optimizer step trains on 4 completions of each of its 2 prompts, " \
            "sampled afresh every 1 step(s): 32 completions in the run" in "\n".join(plan.notes)
     assert "grpo reference: none (beta 0): no KL term and no reference forward" in plan.notes
+    # The KV cache of 2 x 4 rows: keys and values x 2 layers x 4 heads x 16 values x 4 bytes per token.
+    kv_mib = 2 * 2 * 8 * (max(lengths) + 6) * 4 * 16 * 4 / 2**20
+    assert f"8 rows with a KV cache of at most {kv_mib:,.1f} MiB" in "\n".join(plan.notes)
+    assert kv_cache_bytes(config, 8, 20) == 2 * 2 * 8 * 20 * 4 * 16 * 4
     assert plan.memory["full (DDP)"].reference == 0
     frozen = make_plan(grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file, beta=0.1))
     assert frozen.memory["full (DDP)"].reference == 4 * frozen.shape.parameters

@@ -49,6 +49,7 @@ from gpt4all_training.data.sampling import StepSampler
 from gpt4all_training.errors import TrainingError, UserError
 from gpt4all_training.model.build import build_training_model
 from gpt4all_training.model.decoding import Sampling, Sequence, decode_all, eos_token_ids
+from gpt4all_training.model.loading import model_config
 from gpt4all_training.training.counts import DataPlan, TokenCounts, run_layout
 from gpt4all_training.training.loss import token_logps
 from gpt4all_training.training.objectives.preference import frozen_copy, peft_model
@@ -494,8 +495,11 @@ class GroupRelative:
                  f"{samplings * sampler.examples_per_step * group:,} completions in the run, counted here at "
                  f"max_completion_length ({longest}) tokens each (an upper bound: EOS ends most sooner)",
                  f"grpo sampling: one forward per generated token over up to batch_size x num_generations = "
-                 f"{config.batch_size * group} rows with a KV cache; its time is the training rows' batch_seconds, "
-                 f"apart from update_seconds, and the tokens/s that `check` measures include it",
+                 f"{config.batch_size * group} rows with a KV cache of at most "
+                 f"{kv_cache_bytes(config, config.batch_size * group, int(lengths.max()) + longest) / 2**20:,.1f} "
+                 f"MiB (keys and values of every layer for the longest prompt + max_completion_length; freed before "
+                 f"the update, so below its activations); its time is the training rows' batch_seconds, apart from "
+                 f"update_seconds, and the tokens/s that `check` measures include it",
                  self.reference_note()]
         return DataPlan(train_examples=len(train), val_examples=len(data.val),
                         epoch_tokens=int(lengths.sum()) + len(train) * longest * group,
@@ -527,6 +531,18 @@ class GroupRelative:
 
     def dry_run_size(self, summary: dict[str, Any], sample: list[dict[str, Any]]) -> str:
         return f"{len(sample)} prompts x {self.config.num_generations} completions"
+
+
+def kv_cache_bytes(config, rows: int, length: int) -> int:
+    """The decoder's KV cache for `rows` sequences of `length` tokens: keys and values of every layer, over the
+    key/value heads (fewer than the query heads under grouped-query attention), in the run's dtype."""
+    model = model_config(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code)
+    text = getattr(model, "text_config", model)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    bytes_per_value = 4 if config.dtype == "float32" else 2
+    return 2 * text.num_hidden_layers * rows * length * kv_heads * head_dim * bytes_per_value
 
 
 def completion_ids(sequence: Sequence) -> list[int]:
