@@ -586,3 +586,20 @@ def test_prompts_written_only_as_messages_end_with_the_generation_prompt(chat_to
     [ids] = encode_prompt_records([{"prompt": messages}], chat_tokenizer, "chat")
     expected = chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert chat_tokenizer.decode(ids) == expected and expected.endswith("<|im_start|>assistant\n")
+
+
+def test_check_reads_prompts_and_its_dry_run_samples_and_updates(tiny_model_dir, prompts_dir, reward_file, tmp_path):
+    """`check` on a grpo config: the dataset check counts prompts, and the 2-step dry run samples completions and
+    updates on them."""
+    from gpt4all_training.preflight.check import run_checks
+
+    config = write_config(tmp_path, {"model_name": str(tiny_model_dir), "dataset_path": str(prompts_dir),
+                                     "objective": "grpo", "rewards": [{"module": str(reward_file),
+                                                                       "function": "variety"}],
+                                     "num_generations": 4, "max_completion_length": 6, "max_length": 32,
+                                     "batch_size": 2, "max_steps": 4, "val_fraction": 0.0, "num_proc": 1})
+    lines: list[str] = []
+    outcomes = run_checks(str(config), [f"output_dir={tmp_path / 'out'}"], report=lines.append)
+    assert all(o.ok for o in outcomes), lines
+    assert f"ok    dataset: {prompts_dir}: 8 records, all with prompt (text)" in lines
+    assert lines[-1].startswith("ok    dry run: 2 steps on 2 prompts x 4 completions passed"), lines[-1]
