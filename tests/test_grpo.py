@@ -96,7 +96,7 @@ def grpo_config(model_dir, data_dir, output_dir, reward_file, function: str = "v
                   rewards=[{"module": str(reward_file), "function": function}], num_generations=4,
                   max_completion_length=6, max_length=32, batch_size=2, lr=1e-3, min_lr=1e-3, warmup_steps=0,
                   val_fraction=0.0, num_epochs=10, max_steps=4, eval_every=None, save_every=None, num_proc=1, seed=0,
-                  max_grad_norm=None)
+                  max_grad_norm=None, dtype="float32")
     values.update(overrides)
     return validate(TrainConfig(**values))
 
@@ -454,7 +454,7 @@ def learning_values(model_dir, data_dir, reward_file, **overrides) -> dict:
                   rewards=[{"module": str(reward_file), "function": "answer_seven"}], num_generations=8,
                   max_completion_length=4, max_length=32, batch_size=8, lr=3e-2, min_lr=3e-2, warmup_steps=0,
                   max_grad_norm=1.0, num_epochs=50, max_steps=20, val_fraction=0.0, eval_every=None, save_every=1,
-                  keep_last=3, num_proc=1, seed=0, report_to=["jsonl"])
+                  keep_last=3, num_proc=1, seed=0, report_to=["jsonl"], dtype="float32")
     values.update(overrides)
     return values
 
@@ -523,7 +523,7 @@ def test_two_processes_train_as_one(tiny_model_dir, prompts_dir, reward_file, tm
               "rewards": [{"module": str(reward_file), "function": "variety"}], "num_generations": 4,
               "max_completion_length": 6, "max_length": 32, "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0,
               "val_fraction": 0.0, "num_epochs": 10, "max_steps": 3, "eval_every": None, "save_every": None,
-              "num_proc": 1, "seed": 0, "report_to": ["jsonl"], "beta": 0.04}
+              "num_proc": 1, "seed": 0, "report_to": ["jsonl"], "beta": 0.04, "dtype": "float32"}
     config = write_config(tmp_path, values)
     train(load_config(config, [f"output_dir={tmp_path / 'one'}", "batch_size=4"]))
     train(load_config(config, [f"output_dir={tmp_path / 'accumulated'}", "batch_size=2",
@@ -597,7 +597,8 @@ def test_check_reads_prompts_and_its_dry_run_samples_and_updates(tiny_model_dir,
                                      "objective": "grpo", "rewards": [{"module": str(reward_file),
                                                                        "function": "variety"}],
                                      "num_generations": 4, "max_completion_length": 6, "max_length": 32,
-                                     "batch_size": 2, "max_steps": 4, "val_fraction": 0.0, "num_proc": 1})
+                                     "batch_size": 2, "max_steps": 4, "val_fraction": 0.0, "num_proc": 1,
+                                     "dtype": "float32"})
     lines: list[str] = []
     outcomes = run_checks(str(config), [f"output_dir={tmp_path / 'out'}"], report=lines.append)
     assert all(o.ok for o in outcomes), lines

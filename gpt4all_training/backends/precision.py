@@ -21,3 +21,8 @@ def native_dtype() -> tuple[str, str]:
     if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
         return "bfloat16", "this CPU computes in bf16 natively (AMX or AVX512-BF16)"
     return "float32", "this CPU has no native bf16 (AMX or AVX512-BF16) and would emulate it, far slower than fp32"
+
+
+def concrete_dtype(dtype: str) -> str:
+    """`dtype` itself, or what auto stands for here: for estimates made before a run resolves it (plan, check)."""
+    return native_dtype()[0] if dtype == "auto" else dtype

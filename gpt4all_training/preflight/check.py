@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from gpt4all_training.backends.precision import native_dtype
+from gpt4all_training.backends.precision import concrete_dtype
 from gpt4all_training.config.blocks import DataSource, Logging, ModelSource, validate
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
@@ -215,9 +215,8 @@ def memory_problem(config: TrainConfig, estimate, available: float, where: str) 
 def check_memory(config: TrainConfig, objective: ObjectiveChecks, shape) -> Outcome:
 
     sequences = objective.rows_per_example * config.batch_size
-    dtype = native_dtype()[0] if config.dtype == "auto" else config.dtype
-    estimates = memory_per_gpu(shape, sequences, config.max_length, dtype, 1, config.gradient_checkpointing,
-                               objective.reference_copies)
+    estimates = memory_per_gpu(shape, sequences, config.max_length, concrete_dtype(config.dtype), 1,
+                               config.gradient_checkpointing, objective.reference_copies)
     mode = "LoRA" if config.lora else "full (DDP)"
     available, where = device_memory()
     problem = memory_problem(config, estimates[mode], available, where)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from gpt4all_training.backends.precision import concrete_dtype
 from gpt4all_training.batch import IGNORE, trained_token_count
 from gpt4all_training.data.batching import collate
 from gpt4all_training.data.chat import end_of_turn_id
@@ -541,7 +542,7 @@ def kv_cache_bytes(config, rows: int, length: int) -> int:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    bytes_per_value = 4 if config.dtype == "float32" else 2
+    bytes_per_value = 4 if concrete_dtype(config.dtype) == "float32" else 2
     return 2 * text.num_hidden_layers * rows * length * kv_heads * head_dim * bytes_per_value
 
 
