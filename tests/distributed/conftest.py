@@ -48,7 +48,7 @@ def dist_config(tiny_model_dir, clean_dolly, tmp_path_factory) -> Path:
         "gradient_accumulation_steps": 2, "lr": 3.0e-3, "min_lr": 1.0e-4, "warmup_steps": 2, "weight_decay": 1.0,
         "max_grad_norm": 1.0, "max_steps": STEPS, "eval_every": None, "eval_steps": None, "save_every": 4,
         "keep_last": 2, "val_fraction": 0.05, "seed": 7, "num_proc": 1, "lora_r": 8, "lora_alpha": 16,
-        "lora_dropout": 0.0, "report_to": ["jsonl"]})
+        "lora_dropout": 0.0, "report_to": ["jsonl"], "dtype": "float32"})
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ def dpo_config(tiny_model_dir, tmp_path_factory):
         "model_name": str(tiny_model_dir), "dataset_path": str(data), "objective": "dpo", "beta": 0.2,
         "max_length": 32, "batch_size": 1, "gradient_accumulation_steps": 2, "lr": 3.0e-3, "min_lr": 1.0e-4,
         "warmup_steps": 1, "weight_decay": 1.0, "max_grad_norm": 1.0, "max_steps": 4, "eval_every": 2,
-        "save_every": None, "val_fraction": 0.2, "seed": 7, "num_proc": 1, "report_to": ["jsonl"]})
+        "save_every": None, "val_fraction": 0.2, "seed": 7, "num_proc": 1, "report_to": ["jsonl"], "dtype": "float32"})
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def hard_config(tiny_model_dir, hard_data, tmp_path_factory) -> Path:
     return write_config(tmp_path_factory.mktemp("hard-config"), {
         "model_name": str(tiny_model_dir), "dataset_path": str(hard_data), "max_length": 64, "batch_size": 4,
         "max_steps": STEPS, "val_fraction": 0.0, "lr": 1.0e-3, "min_lr": 1.0e-4, "warmup_steps": 0,
-        "eval_every": None, "save_every": None, "seed": 3, "num_proc": 1, "report_to": ["jsonl"]})
+        "eval_every": None, "save_every": None, "seed": 3, "num_proc": 1, "report_to": ["jsonl"], "dtype": "float32"})
 
 
 @pytest.fixture(scope="session")

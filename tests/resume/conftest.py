@@ -26,7 +26,7 @@ def resume_config(tiny_model_dir, resume_data, tmp_path_factory) -> Path:
     return write_config(tmp_path_factory.mktemp("resume-config"), {
         "model_name": str(tiny_model_dir), "dataset_path": str(resume_data), "max_length": 64, "batch_size": 4,
         "num_epochs": 3, "val_fraction": 0.1, "lr": 1.0e-3, "warmup_steps": 3, "save_every": 4, "keep_last": 2,
-        "keep_every": 8, "eval_every": 5, "seed": 7, "num_proc": 1})
+        "keep_every": 8, "eval_every": 5, "seed": 7, "num_proc": 1, "dtype": "float32"})
 
 
 @pytest.fixture(scope="session")
