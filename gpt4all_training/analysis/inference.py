@@ -266,6 +266,8 @@ def check_training_split(config: InferenceConfig) -> None:
         return
     file, run = found
     differ = [key for key in SPLIT_KEYS if key in run and run[key] != getattr(config, key)]
+    if differ == ["seed"] and run.get("val_fraction") == config.val_fraction == 0:
+        return  # nothing is held out, so the seed splits nothing: every example is a training one either way
     if differ:
         raise UserError(f"model_name {config.model_name}: its training run split the data with "
                         f"{', '.join(f'{k}={run[k]}' for k in differ)} (see {file}), but this config has "

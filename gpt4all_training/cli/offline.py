@@ -64,12 +64,21 @@ class TaskFileLoader(yaml.SafeLoader):
 TaskFileLoader.add_multi_constructor("!", lambda loader, suffix, node: f"{suffix} {loader.construct_scalar(node)}")
 
 
+def safe_task_file(text: str):
+    """The task file's YAML through TaskFileLoader, a SafeLoader: no tag builds a Python object."""
+    loader = TaskFileLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def task_files(include_paths: list[str]) -> list[dict]:
     found = []
     for folder in include_paths:
         for path in sorted(Path(folder).rglob("*.yaml")) if Path(folder).is_dir() else []:
             try:
-                task = yaml.load(path.read_text(encoding="utf-8"), Loader=TaskFileLoader)
+                task = safe_task_file(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, yaml.YAMLError):
                 continue
             if isinstance(task, dict):

@@ -8,8 +8,8 @@ therefore imports nothing of gpt4all_training.
 
 Each job converts one folder to one GGUF file, with what the converter cannot know added on top (and GPT-NeoX's
 `rotary_pct`, which the converter reads where transformers 4 kept it):
-- a pre-tokenizer name for a tokenizer whose test-string hash llama.cpp's table does not hold (the converter would
-  stop with "BPE pre-tokenizer was not recognized"); the caller derived it from tokenizer.json or the base GGUF;
+- the pre-tokenizer name of the split tokenizer.json has, where the caller could name it (GPT-2's, SmolLM's), before
+  the name llama.cpp's table holds for the tokenizer's test-string hash (see export/gguf.py for why);
 - the chat template's end-of-turn token as EOS and EOT, so that clients that stop at EOS only end the turn there;
 - general.name, the license and the sampling settings the model was evaluated with, through the converter's own
   metadata override file.
@@ -48,13 +48,13 @@ def convert(job: dict) -> None:
                 self.hparams.setdefault("rotary_pct", rope["partial_rotary_factor"])
 
         def get_vocab_base_pre(self, tokenizer) -> str:
+            if job["pre_tokenizer"] is not None:  # the split tokenizer.json has, named by the caller
+                return job["pre_tokenizer"]
             try:
                 return super().get_vocab_base_pre(tokenizer)
             except NotImplementedError:
-                if job["pre_tokenizer"] is None:
-                    fail("the tokenizer's pre-tokenizer is neither in llama.cpp's table nor a plain GPT-2 or "
-                         "SmolLM split")
-                return job["pre_tokenizer"]
+                fail("the tokenizer's pre-tokenizer is neither in llama.cpp's table nor a plain GPT-2 or SmolLM "
+                     "split")
 
         def set_vocab(self) -> None:
             super().set_vocab()
@@ -72,8 +72,9 @@ def convert(job: dict) -> None:
         except (FileNotFoundError, ValueError) as error:
             if "tokenizer.model" not in str(error):
                 raise
-            fail(f"llama.cpp's converter writes {architecture} only with its SentencePiece tokenizer.model, and the "
-                 f"model has none (put the base model's tokenizer.model next to the weights)")
+            fail(f"llama.cpp's converter writes {architecture} only with its SentencePiece tokenizer.model, and none "
+                 f"whose pieces are the tokenizer's was found next to the weights, the tokenizer or the base model "
+                 f"(copy the base model's tokenizer.model into the folder you export)")
 
 
 def fail(message: str) -> None:

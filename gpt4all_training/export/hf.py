@@ -32,6 +32,7 @@ from gpt4all_training.export.template import (add_template_to_tokenizer_config, 
                                               stop_token_ids)
 from gpt4all_training.files import new_folder, writable_folder
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
+from gpt4all_training.model.names import portable_name, resolved_name
 from gpt4all_training.readers import parse_yaml, read_json, read_model_config, read_text, read_yaml
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.checkpoint import MARKER, check_deepspeed_files, verify
@@ -258,7 +259,7 @@ def base_license(base_name: str | None) -> dict[str, str]:
 def load_source(source: str, base: str | None = None) -> ExportSource:
     """Everything the writers need: an fp32 model with LoRA merged, its tokenizer and what the run recorded."""
 
-    path = Path(source)
+    path = Path(resolved_name(source))  # a packaged model's short name (smollm2) is its file
     if not path.exists():
         raise UserError(f"--from {source}: not found")
     if (path / MARKER).is_file() and (problem := verify(path)):  # a checkpoint or final/ that lists its files
@@ -339,7 +340,7 @@ def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
     front["tags"] = ["gpt4all-training", "gguf" if fmt == "gguf" else "safetensors"]
     config = source.run.config
     rows = [
-        ("Base model", source.base_name or "unknown"),
+        ("Base model", portable_name(source.base_name) if source.base_name else "unknown"),
         ("Training data", config.get("dataset_path", "unknown")
          + (f" (revision {config['revision']})" if config.get("revision") else "")),
         ("Training steps", source.run.steps if source.run.steps is not None else "unknown"),
@@ -372,11 +373,8 @@ def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str
 
 
 def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> Path:
-
-    base_pre = None
-    if source.base_gguf:
-        base_pre = read_gguf_strings(source.base_gguf, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
-    path = write_gguf(source.model, source.tokenizer, folder, dtype, name, source.license.get("license"), base_pre)
+    path = write_gguf(source.model, source.tokenizer, folder, dtype, name, source.license.get("license"),
+                      (source.run.config.get("tokenizer_name"), source.base_name))
     (folder / "Modelfile").write_text(ollama_modelfile(path.name, source.tokenizer), encoding="utf-8")
     return path
 
@@ -416,7 +414,7 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
         raise UserError(f"--dtype {dtype}: --format gguf takes one of {', '.join(TYPES)}")
     out = Path(to)
     check_output_folder(out)  # before the slow load
-    config = local_config(Path(source), base)  # a broken or foreign config.json: one line, before the slow load
+    config = local_config(Path(resolved_name(source)), base)  # a broken or foreign config.json: one line, before the slow load
     if fmt == "gguf" and config is not None:
         check_architecture(config, dtype)  # refuse before loading weights
     loaded = load_source(source, base)

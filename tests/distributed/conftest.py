@@ -1,5 +1,5 @@
-"""One real launch per configuration, shared by every test that reads it (session scope: each launch costs
-seconds of interpreter start-up, so it runs once however many tests look at it).
+"""One real launch per configuration, shared by every test that reads it (each launch costs seconds of interpreter
+start-up, so it runs once however many tests, files and test workers look at it: support/shared.py).
 
 Every run trains the same 8 optimiser steps of global batch 4 on the tiny GPT-J in fp32: the 1-process references
 as batch 4, the 2-process runs as batch 1 x gradient accumulation 2 x 2 ranks. Global step s is the same 4 examples
@@ -10,14 +10,16 @@ step 4, so DeepSpeed runs also write their engine state.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from support.files import write_config
 from support.launch import free_port
 from support.models import weights
 from support.paths import PYTHON
+from support.shared import shared_fixture_folder
 
-from .runs import LAUNCH_SECONDS, accelerate, launch, train_command
+from .runs import LAUNCH_SECONDS, Run, accelerate, finished_run, launch, train_command
 
 STEPS = 8
 ZERO3 = "--deepspeed_config_file=configs/deepspeed/ds_config_zero3.json"
@@ -54,70 +56,88 @@ def runs_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist-runs")
 
 
+def launched_once(tmp_path_factory, name: str, commands: Callable[[Path], list[list[str]]]) -> Run:
+    """`launch(commands(output_dir), output_dir)` in the first test worker that asks; every worker gets its Run."""
+    folder = shared_fixture_folder(tmp_path_factory, f"dist-{name}", lambda f: launch(commands(f / name), f / name))
+    return finished_run(folder / name)
+
+
 @pytest.fixture(scope="session")
-def single_run(dist_config, runs_dir):
+def single_run(dist_config, tmp_path_factory):
     """The reference: one process through configs/accelerate/single_gpu.yaml."""
-    out = runs_dir / "single"
-    return launch([train_command(accelerate("single_gpu.yaml"), dist_config, out, *SINGLE)], out)
+    return launched_once(tmp_path_factory, "single",
+                         lambda out: [train_command(accelerate("single_gpu.yaml"), dist_config, out, *SINGLE)])
 
 
 @pytest.fixture(scope="session")
-def single_lora_run(dist_config, runs_dir):
+def single_lora_run(dist_config, tmp_path_factory):
     """The LoRA reference: plain `python train.py`."""
-    out = runs_dir / "single-lora"
-    return launch([train_command([PYTHON], dist_config, out, *SINGLE, *LORA)], out)
+    return launched_once(tmp_path_factory, "single-lora",
+                         lambda out: [train_command([PYTHON], dist_config, out, *SINGLE, *LORA)])
 
 
 @pytest.fixture(scope="session")
-def ddp_run(dist_config, runs_dir):
-    out = runs_dir / "ddp"
-    launcher = accelerate("multi_gpu_8.yaml", "--num_processes=2", f"--main_process_port={free_port()}")
-    return launch([train_command(launcher, dist_config, out)], out)
+def ddp_run(dist_config, tmp_path_factory):
+    def commands(out: Path) -> list[list[str]]:
+        launcher = accelerate("multi_gpu_8.yaml", "--num_processes=2", f"--main_process_port={free_port()}")
+        return [train_command(launcher, dist_config, out)]
+
+    return launched_once(tmp_path_factory, "ddp", commands)
 
 
 @pytest.fixture(scope="session")
-def zero2_run(dist_config, runs_dir):
+def zero2_run(dist_config, tmp_path_factory):
     """ZeRO-2 as the documented 2-node launch: two `accelerate launch` commands, machine ranks 0 and 1, one process
     each, meeting at main_process_ip (localhost here), exactly as on two machines."""
-    out = runs_dir / "zero2-2node"
-    port = free_port()
-    commands = [train_command(accelerate("deepspeed_2node.yaml", "--num_processes=2", f"--machine_rank={rank}",
+    def commands(out: Path) -> list[list[str]]:
+        port = free_port()
+        return [train_command(accelerate("deepspeed_2node.yaml", "--num_processes=2", f"--machine_rank={rank}",
                                          "--main_process_ip=127.0.0.1", f"--main_process_port={port}"),
                               dist_config, out)
                 for rank in (0, 1)]
-    return launch(commands, out)
+
+    return launched_once(tmp_path_factory, "zero2-2node", commands)
 
 
 @pytest.fixture(scope="session")
-def zero3_run(dist_config, runs_dir):
-    out = runs_dir / "zero3"
-    launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
-    return launch([train_command(launcher, dist_config, out)], out)
+def zero3_run(dist_config, tmp_path_factory):
+    def commands(out: Path) -> list[list[str]]:
+        launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
+        return [train_command(launcher, dist_config, out)]
+
+    return launched_once(tmp_path_factory, "zero3", commands)
 
 
 @pytest.fixture(scope="session")
-def offload_lora_run(dist_config, runs_dir):
+def offload_lora_run(dist_config, tmp_path_factory):
     """LoRA on ZeRO-2 with the optimiser offloaded to the CPU (DeepSpeedCPUAdam; compiled once, ~40 s, into
     TORCH_EXTENSIONS_DIR)."""
-    out = runs_dir / "zero2-offload-lora"
-    launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", OFFLOAD)
-    return launch([train_command(launcher, dist_config, out, *LORA)], out)
+    def commands(out: Path) -> list[list[str]]:
+        launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}",
+                              OFFLOAD)
+        return [train_command(launcher, dist_config, out, *LORA)]
+
+    return launched_once(tmp_path_factory, "zero2-offload-lora", commands)
 
 
 @pytest.fixture(scope="session")
-def zero3_lora_run(dist_config, runs_dir):
-    out = runs_dir / "zero3-lora"
-    launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
-    return launch([train_command(launcher, dist_config, out, *LORA, "merge_lora=true")], out)
+def zero3_lora_run(dist_config, tmp_path_factory):
+    def commands(out: Path) -> list[list[str]]:
+        launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
+        return [train_command(launcher, dist_config, out, *LORA, "merge_lora=true")]
+
+    return launched_once(tmp_path_factory, "zero3-lora", commands)
 
 
 @pytest.fixture(scope="session")
-def zero3_lora_resumed_run(dist_config, runs_dir, zero3_lora_run):
+def zero3_lora_resumed_run(dist_config, zero3_lora_run, tmp_path_factory):
     """The ZeRO-3 LoRA run again, resumed from its step-4 checkpoint into a new output_dir."""
-    out = runs_dir / "zero3-lora-resumed"
-    launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
-    checkpoint = f"checkpoint={zero3_lora_run.output_dir / 'step_4'}"
-    return launch([train_command(launcher, dist_config, out, *LORA, "merge_lora=true", checkpoint)], out)
+    def commands(out: Path) -> list[list[str]]:
+        launcher = accelerate("deepspeed_8gpu.yaml", "--num_processes=2", f"--main_process_port={free_port()}", ZERO3)
+        checkpoint = f"checkpoint={zero3_lora_run.output_dir / 'step_4'}"
+        return [train_command(launcher, dist_config, out, *LORA, "merge_lora=true", checkpoint)]
+
+    return launched_once(tmp_path_factory, "zero3-lora-resumed", commands)
 
 
 @pytest.fixture(scope="session")

@@ -56,7 +56,6 @@ LAUNCH_SECONDS: dict[str, float] = {}
 class Run:
     output_dir: Path
     log: str
-    seconds: float
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.output_dir / "metrics.jsonl")
@@ -102,11 +101,16 @@ def launch(commands: list[list[str]], output_dir: Path, timeout: float = 1200,
         for process in processes:
             if process.poll() is None:
                 process.kill()
-    seconds = time.perf_counter() - start
-    LAUNCH_SECONDS[output_dir.name] = seconds
+    LAUNCH_SECONDS[output_dir.name] = time.perf_counter() - start
     text = "\n".join(log.read_text(errors="replace") for log in logs)
     assert codes == [0] * len(commands), f"exit codes {codes} for {commands}\n{text[-6000:]}"
-    return Run(output_dir, text, seconds)
+    return Run(output_dir, text)
+
+
+def finished_run(output_dir: Path) -> Run:
+    """The Run of a launch that `launch` completed earlier, perhaps in another test worker: its folder and logs."""
+    logs = sorted(output_dir.parent.glob(f"{output_dir.name}.*.log"), key=lambda log: int(log.suffixes[-2][1:]))
+    return Run(output_dir, "\n".join(log.read_text(errors="replace") for log in logs))
 
 
 # ---------------------------------------------------------------- reading models back

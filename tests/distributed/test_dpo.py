@@ -41,7 +41,7 @@ def single_dpo_run(dpo_config, tmp_path_factory):
     """The same pairs in one process, batch 4: what every 2-rank launch must equal."""
     out = tmp_path_factory.mktemp("dpo-single")
     train(load_config(dpo_config, [f"output_dir={out}", "batch_size=4", "gradient_accumulation_steps=1"]))
-    return Run(out, "", 0.0)
+    return Run(out, "")
 
 
 @pytest.mark.parametrize("name", list(LAUNCHERS))

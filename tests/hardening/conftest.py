@@ -1,5 +1,5 @@
 """Fixtures of the hardening tests: a two-file dataset, a 6-step config, the uninterrupted reference run, and a run
-stopped by an injected NaN."""
+stopped by an injected NaN (the runs made once for all the test workers: support/shared.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from support.files import write_config
 from support.launch import completed_run
+from support.shared import read_process, save_process, shared_fixture_folder
 
 from .harness import STEPS, run_train, write_data
 
@@ -21,7 +22,7 @@ def dolly_rows(clean_dolly) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def hard_data(dolly_rows, tmp_path_factory) -> Path:
-    return write_data(tmp_path_factory.mktemp("hard-data"), dolly_rows)
+    return shared_fixture_folder(tmp_path_factory, "hard-data", lambda folder: write_data(folder, dolly_rows))
 
 
 @pytest.fixture(scope="session")
@@ -36,18 +37,24 @@ def hard_config(tiny_model_dir, hard_data, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference(hard_config, tmp_path_factory) -> Path:
     """The 6 steps, uninterrupted."""
-    return completed_run(hard_config, tmp_path_factory.mktemp("hard-reference") / "run", timeout=300)
+    return shared_fixture_folder(tmp_path_factory, "hard-reference",
+                                 lambda folder: completed_run(hard_config, folder / "run", timeout=300)) / "run"
 
 
 @pytest.fixture(scope="session")
 def nan_stopped(hard_config, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """NaN injected at step 4 under the default nan_policy (stop), with a checkpoint every 2 steps."""
-    output_dir = tmp_path_factory.mktemp("hard-nan-stop") / "run"
-    return run_train(hard_config, output_dir, "save_every=2", fault="nan_loss:4"), output_dir
+    def build(folder: Path) -> None:
+        folder.mkdir()
+        save_process(run_train(hard_config, folder / "run", "save_every=2", fault="nan_loss:4"),
+                     folder / "process.json")
+
+    folder = shared_fixture_folder(tmp_path_factory, "hard-nan-stop", build)
+    return read_process(folder / "process.json"), folder / "run"
 
 
 @pytest.fixture(scope="session")
 def checkpointed_run(hard_config, tmp_path_factory) -> Path:
     """The 6 steps with checkpoints at steps 2 and 4 (copy it before resuming into it)."""
-    return completed_run(hard_config, tmp_path_factory.mktemp("hard-checkpointed") / "run", "save_every=2",
-                         timeout=300)
+    return shared_fixture_folder(tmp_path_factory, "hard-checkpointed", lambda folder: completed_run(
+        hard_config, folder / "run", "save_every=2", timeout=300)) / "run"

@@ -161,7 +161,7 @@ def test_inference_leaves_a_shards_folder_it_did_not_make(tiny_model_dir, hard_d
     (out / "shards" / "notes.txt").write_text("the user's")
     before = snapshot(tmp_path)
     line = clean_failure(capsys, ["inference", f"model_name={tiny_model_dir}", f"dataset_path={hard_data}",
-                                  f"output_dir={out}", "num_proc=1"])
+                                  f"output_dir={out}", "num_proc=1", "max_length=128"])
     assert line == (f"error: output_dir: {out / 'shards'} exists and was not made by this program, which would "
                     f"write there; move it away or choose another output_dir")
     assert snapshot(tmp_path) == before

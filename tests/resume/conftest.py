@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 from support.files import write_config, write_jsonl
 from support.launch import completed_run
+from support.shared import shared_fixture_folder
 
 
 @pytest.fixture(scope="session")
 def resume_data(clean_dolly, tmp_path_factory) -> Path:
     rows = [json.loads(line) for line in next(clean_dolly.glob("*_clean.jsonl")).read_text().splitlines()]
-    folder = tmp_path_factory.mktemp("resume-data")
-    write_jsonl(folder / "small_clean.jsonl", rows[:48])  # 43 train + 5 validation
-    return folder
+    # 43 train + 5 validation; in the shared folder, like the reference run trained on it
+    return shared_fixture_folder(tmp_path_factory, "resume-data",
+                                 lambda folder: write_jsonl(folder / "small_clean.jsonl", rows[:48]))
 
 
 @pytest.fixture(scope="session")
@@ -30,5 +31,6 @@ def resume_config(tiny_model_dir, resume_data, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(resume_config, tmp_path_factory) -> Path:
-    """The same 30 steps (TOTAL_STEPS), uninterrupted."""
-    return completed_run(resume_config, tmp_path_factory.mktemp("reference") / "run")
+    """The same 30 steps (TOTAL_STEPS), uninterrupted; run once for all the test workers."""
+    return shared_fixture_folder(tmp_path_factory, "resume-reference",
+                                 lambda folder: completed_run(resume_config, folder / "run")) / "run"
