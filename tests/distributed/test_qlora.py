@@ -1,0 +1,59 @@
+"""QLoRA across processes: the tiny GPT-J's base quantized to 4-bit nf4 as it loads, a LoRA adapter trained over it
+in one process (`python train.py`), in 2 DDP processes and in 2 FSDP2 processes (the packed 4-bit weights stored in
+fp32, which fully_shard shards and gathers byte for byte).
+
+Every process quantizes the same weights with the same deterministic kernel, so each rank's base is bitwise the
+1-process base (the fingerprint each writes into state.json says so), and the runs differ from one process only in
+the order the ranks' gradients are summed, as unquantized LoRA does. Losses and gradient norms hold runs.py's tolerances
+(measured: 7e-7 and 1e-5 relative). The adapter is compared as runs.py compares full weights, relative to training's
+own change, here over steps 5-8 (the final adapter against the step-4 one; stricter than against the start): its
+gradients are ~20x smaller than unquantized LoRA's, so Adam divides more entries' near-cancelling sums by their own
+magnitude, and one lora_A entry of 512 moves by 1.8e-4 (DDP; 1.5e-4 FSDP2), 5.3e-4 of that tensor's change, while
+a broken loss normalisation moves whole tensors by ~6e-2 of it (runs.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.launch import free_port
+from support.models import weights
+from support.paths import PYTHON
+
+from .conftest import LORA, SINGLE, launched_once
+from .runs import (GRAD_NORM_RTOL, LOGITS_ATOL, LOSS_ATOL, UPDATE_RTOL, accelerate, final_logit_difference,
+                   relative_update_difference, train_command)
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
+
+QLORA = (*LORA, "load_in_4bit=true")
+
+
+@pytest.fixture(scope="module")
+def qlora_runs(dist_config, tmp_path_factory):
+    """The 1-process reference, DDP and FSDP2, each launched once."""
+    single = launched_once(tmp_path_factory, "single-qlora",
+                           lambda out: [train_command([PYTHON], dist_config, out, *SINGLE, *QLORA)])
+    ddp = launched_once(tmp_path_factory, "ddp-qlora", lambda out: [train_command(
+        accelerate("multi_gpu_8.yaml", "--num_processes=2", f"--main_process_port={free_port()}"), dist_config,
+        out, *QLORA)])
+    fsdp = launched_once(tmp_path_factory, "fsdp2-qlora", lambda out: [train_command(
+        accelerate("fsdp2_2proc.yaml", f"--main_process_port={free_port()}"), dist_config, out, *QLORA)])
+    return single, ddp, fsdp
+
+
+def test_qlora_under_ddp_and_fsdp2_matches_one_process(qlora_runs, validation):
+    single, ddp, fsdp = qlora_runs
+    assert "base: 4-bit nf4, double quantization" in single.log
+    assert "FSDP2: 2 GPTJBlock units and the root, sharded over 2 processes" in fsdp.log
+    fingerprints = {json.loads((run.output_dir / "step_4" / "state.json").read_text())["base_fingerprint"]
+                    for run in qlora_runs}
+    assert len(fingerprints) == 1  # the same quantized base in every process of every launch
+    for run in (ddp, fsdp):
+        assert run.series("lr") == single.series("lr") and len(run.series("lr")) == 8
+        assert run.series("trained_tokens") == single.series("trained_tokens")
+        for key, bound in (("loss", LOSS_ATOL), ("grad_norm", GRAD_NORM_RTOL * min(single.series("grad_norm")))):
+            assert max(abs(a - b) for a, b in zip(run.series(key), single.series(key))) < bound, key
+        assert relative_update_difference(weights(run.final), weights(single.final),
+                                          weights(single.output_dir / "step_4" / "model")) < UPDATE_RTOL
+        assert final_logit_difference(run.final, single.final, validation) < LOGITS_ATOL
