@@ -4,7 +4,10 @@ dequantized base, and the refusals of what cannot work."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -263,7 +266,10 @@ def whole_run(llama_dir, pairs_dir, tmp_path_factory):
     from gpt4all_training.training.loop import train
 
     output = tmp_path_factory.mktemp("qlora-run") / "whole"
-    train(run_config(llama_dir, pairs_dir, output))
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        train(run_config(llama_dir, pairs_dir, output))
+    (output / "train.log").write_text(log.getvalue())
     return output
 
 
@@ -340,3 +346,32 @@ def test_the_adapter_loads_over_the_same_4bit_base_and_the_merge_gap_is_small(wh
     with torch.no_grad():
         gap = (model(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
     assert gap < 1e-4  # the same function, merged in fp32: rounding only
+
+
+def test_export_merges_into_the_dequantized_base_says_so_and_its_gguf_reads_back(whole_run, tokenizer, tmp_path):
+    """export --from final/ (the adapter) merges it into its base dequantized, as training's final/merged: the same
+    weights; the card and training's log give the gap measured on the fixed prompts, within rounding; the GGUF
+    reads back in llama.cpp as any export does (test_gguf.py's bound for F16)."""
+    from test_gguf import UNIT_ROUNDOFF, hf_logits
+    from transformers import AutoModelForCausalLM
+
+    from gpt4all_training.export import llama_cpp
+    from gpt4all_training.export.hf import export
+
+    files = export(str(whole_run / "final"), str(tmp_path / "gguf"), "gguf", "f16")
+    card = (tmp_path / "gguf" / "README.md").read_text()
+    assert "| Method | QLoRA (r=8, alpha=16) over a 4-bit nf4, double quantization base, merged in fp32 into the " \
+           "dequantized base |" in card
+    written = re.search(r"The merged model is the 4-bit nf4, double quantization base dequantized, plus the LoRA "
+                        r"adapter, merged in fp32 and stored in float32; against the quantized base with its adapter, "
+                        r"its logits on 4 fixed prompts differ by at most (\S+) \(mean", card)
+    logged = re.search(r"final/merged: the merged model is .* differ by at most (\S+) \(mean",
+                       (whole_run / "train.log").read_text())
+    assert written and logged and float(written.group(1)) < 1e-4 and float(logged.group(1)) < 1e-4
+
+    merged = AutoModelForCausalLM.from_pretrained(whole_run / "final" / "merged").eval()
+    ids = tokenizer("The capital of France is Paris. Name a primary colour.")["input_ids"]
+    expected = hf_logits(merged, ids)
+    with llama_cpp.LlamaCppModel(next(f for f in files if f.suffix == ".gguf")) as model:
+        assert model.tokenize(tokenizer.decode(ids), add_special=False) == ids
+        assert abs(model.logits(ids) - expected).max() < 8 * UNIT_ROUNDOFF["f16"] * abs(expected).max()

@@ -257,6 +257,16 @@ def logit_gap(before: list[torch.Tensor], after: list[torch.Tensor]) -> dict[str
             "scale": float(max(t.abs().max() for t in before))}
 
 
+def merge_measured(peft_model, tokenizer, dtype: str) -> tuple[nn.Module, str]:
+    """(the merged model, the line that says what it is and the gap it leaves) of an adapter over a quantized base:
+    merge_into_dequantized, with the logits of the fixed prompts compared before and after. Consumes `peft_model`."""
+    settings = quantization_settings(peft_model.get_base_model().config.quantization_config.to_dict())
+    keep_weight_layout(peft_model)  # the fp32 kernel training computed with, not the CPU's bf16 repacking
+    before = prompt_logits(peft_model, tokenizer)
+    merged = merge_into_dequantized(peft_model, DTYPES[dtype])
+    return merged, merge_gap_line(settings, dtype, logit_gap(before, prompt_logits(merged, tokenizer)))
+
+
 def merge_gap_line(settings: Mapping[str, Any], dtype: str, gap: Mapping[str, float]) -> str:
     """What a merged model of a quantized base is, and how far it is from what was trained: the one line training and
     export log, and the model card's."""

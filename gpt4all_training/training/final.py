@@ -14,8 +14,7 @@ from gpt4all_training.backends.replicas import replica_mismatches
 from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.files import fsync_dir, fsync_tree, write_marker
 from gpt4all_training.model.build import quantized_whole_copy
-from gpt4all_training.model.quantization import (DTYPES, is_quantized, logit_gap, merge_gap_line,
-                                                 merge_into_dequantized, prompt_logits, quantization_settings)
+from gpt4all_training.model.quantization import DTYPES, is_quantized, merge_measured
 from gpt4all_training.tracking.hub import push_folder
 from gpt4all_training.tracking.report import write_report
 from gpt4all_training.training.checkpoint import CONFIG_FILE, FINAL_DIR, Checkpointer
@@ -80,11 +79,8 @@ def merge_quantized(unwrapped, backend, state_dict, tokenizer, merge_dtype: str)
     """The adapter merged into its quantized base dequantized (the function it was trained over), with one line that
     says so and how far the merged model's logits are from the quantized base with its adapter."""
     whole = quantized_whole_copy(unwrapped, state_dict) if backend.partitions_parameters else unwrapped
-    before = prompt_logits(whole, tokenizer)
-    settings = quantization_settings(whole.get_base_model().config.quantization_config.to_dict())
-    merged = merge_into_dequantized(whole, DTYPES[merge_dtype])
-    gap = logit_gap(before, prompt_logits(merged, tokenizer))
-    backend.print(f"final/merged: {merge_gap_line(settings, merge_dtype, gap)}")
+    merged, line = merge_measured(whole, tokenizer, merge_dtype)
+    backend.print(f"final/merged: {line}")
     return merged
 
 
