@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -252,13 +253,16 @@ def test_8bit_base_trains_an_adapter_too(llama_dir, tokenizer, backend):
 
 # ---------------------------------------------------------------- a run: resume, merge, loading the adapter
 
-def run_config(model_dir, data_dir, output_dir, **overrides) -> TrainConfig:
+def run_values(model_dir, data_dir, output_dir, **overrides) -> dict:
     values = dict(model_name=str(model_dir), dataset_path=str(data_dir), output_dir=str(output_dir), max_length=64,
                   batch_size=4, lr=1e-2, min_lr=1e-3, warmup_steps=1, val_fraction=0.25, num_epochs=100, max_steps=6,
                   eval_every=3, save_every=3, num_proc=1, seed=0, lora=True, lora_r=8, lora_alpha=16,
                   lora_dropout=0.1, lora_target_modules=TARGETS, load_in_4bit=True, merge_lora=True)
-    values.update(overrides)
-    return validate(TrainConfig(**values))
+    return {**values, **overrides}
+
+
+def run_config(model_dir, data_dir, output_dir, **overrides) -> TrainConfig:
+    return validate(TrainConfig(**run_values(model_dir, data_dir, output_dir, **overrides)))
 
 
 @pytest.fixture(scope="module")
@@ -274,19 +278,28 @@ def whole_run(llama_dir, pairs_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_resumed_run_is_bitwise_the_run_that_never_stopped(whole_run, llama_dir, pairs_dir, tmp_path, capsys):
-    """From step_3 (adapter, AdamW state, RNG for the LoRA dropout; the base rebuilt from model_name and checked by
-    its fingerprint) the resumed run repeats the losses, validation and adapter bit for bit."""
+def test_a_run_killed_then_resumed_is_bitwise_the_run_that_never_stopped(whole_run, llama_dir, pairs_dir, tmp_path):
+    """SIGKILL after step 5 (step_3/ is the last checkpoint: adapter, AdamW state, RNG for the LoRA dropout), then a
+    rerun into the same output_dir: the base rebuilt from model_name and checked by its fingerprint, the run repeats
+    the losses, validation and adapter bit for bit."""
+    from resume.harness import run_train as run_killable
+    from support.files import write_config
+    from support.launch import explain
+
     from gpt4all_training.training.loop import train
 
     state = json.loads((whole_run / "step_3" / "state.json").read_text())
     assert len(state["base_fingerprint"]) == 64
-    resumed = tmp_path / "resumed"
-    train(run_config(llama_dir, pairs_dir, resumed, checkpoint=str(whole_run / "step_3")))
-    assert "resumed from" in capsys.readouterr().out
-    assert exact_rows(resumed) == [row for row in exact_rows(whole_run) if row["step"] > 3]
-    assert any("val_loss" in row for row in exact_rows(resumed))
-    assert_bitwise_equal_weights(resumed / "final", whole_run / "final")
+    out = tmp_path / "run"
+    killed = run_killable(write_config(tmp_path, run_values(llama_dir, pairs_dir, out)), out, crash="after_step:5")
+    assert killed.returncode == -signal.SIGKILL, explain(killed)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        train(run_config(llama_dir, pairs_dir, out))
+    assert f"resumed from {out / 'step_3'} at step 3" in log.getvalue()
+    assert exact_rows(out) == exact_rows(whole_run)
+    assert any("val_loss" in row for row in exact_rows(out) if row["step"] > 3)
+    assert_bitwise_equal_weights(out / "final", whole_run / "final")
 
 
 @pytest.mark.slow
