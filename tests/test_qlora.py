@@ -34,12 +34,9 @@ PAIRS = [("What is the capital of France?", "Paris."), ("Name a primary colour."
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, tokenizer) -> Path:
-    """The tiny Llama (2 layers, width 64) saved with the session tokenizer: 7 linear layers per block to quantize."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny_llama(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def llama_dir(tiny_llama_dir) -> Path:
+    """The session's tiny Llama (2 layers, width 64): 7 linear layers per block to quantize."""
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
@@ -388,3 +385,56 @@ def test_export_merges_into_the_dequantized_base_says_so_and_its_gguf_reads_back
     with llama_cpp.LlamaCppModel(next(f for f in files if f.suffix == ".gguf")) as model:
         assert model.tokenize(tokenizer.decode(ids), add_special=False) == ids
         assert abs(model.logits(ids) - expected).max() < 8 * UNIT_ROUNDOFF["f16"] * abs(expected).max()
+
+
+# ---------------------------------------------------------------- plan
+
+LLAMA3 = {"8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256),
+          "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8, vocab_size=128256)}
+
+
+def test_plan_counts_the_base_as_bitsandbytes_stores_it(llama_dir, tokenizer, backend):
+    """plan's storage of the tiny Llama's 4-bit layers is the built model's, less the code maps it leaves out (a
+    16- and a 256-value table per layer) and the rounding up of the second level's last block."""
+    from gpt4all_training.model.quantization import quantized_bytes, state_tensors
+    from gpt4all_training.preflight.plan import model_shape
+
+    config = qlora_config(llama_dir)
+    shape = model_shape(config)
+    model = build_training_model(config, tokenizer, backend)
+    weights_held, stored = quantized_bytes(model)
+    layers = quantized_linears(model)
+    codes = sum(t.numel() * t.element_size() for _, m in layers for t in state_tensors(m.weight.quant_state)
+                if t.numel() in (16, 256) and t.dtype == torch.float32)
+    assert shape.quantized == weights_held == 73_728
+    assert 0 <= stored - codes - shape.quantized_bytes <= 8 * len(layers)
+
+
+def test_plan_says_which_llama3_shaped_qlora_runs_fit_which_gpus(tmp_path, pairs_dir, llama_dir):
+    """Llama-3-8B at 2048 tokens per micro-batch with checkpointing fits a 24 GiB GPU in one process (its fp32 LoRA
+    does not); 70B needs 4 such GPUs under FSDP2 (2 are too few, and DDP or ZeRO-2 keep a whole base per GPU), or
+    one 80 GiB GPU."""
+    from transformers import LlamaConfig
+
+    from gpt4all_training.preflight.plan import make_plan, memory_per_gpu, model_shape
+
+    for name, dims in LLAMA3.items():
+        LlamaConfig(**dims).save_pretrained(tmp_path / name)
+    values = dict(dataset_path=str(pairs_dir), tokenizer_name=str(llama_dir), output_dir=str(tmp_path / "out"),
+                  lora=True, lora_r=16, lora_alpha=32, dtype="bfloat16", max_length=2048, batch_size=1,
+                  gradient_checkpointing=True, num_proc=1)
+    plan = make_plan(validate(TrainConfig(model_name=str(tmp_path / "8b"), load_in_4bit=True, **values)),
+                     gpu_memory_gib=24).describe()
+    assert "base: 6,979,321,856 weights in 4-bit nf4, double quantization (3.35 GiB), the rest in fp32" in plan
+    assert re.search(r"QLoRA, 1 process or DDP +8\.9\d GiB = .*; fits in 24\.00 GiB", plan), plan
+    lora = make_plan(validate(TrainConfig(model_name=str(tmp_path / "8b"), **values)), gpu_memory_gib=24)
+    assert lora.memory["LoRA"].total > 24 * 2**30
+
+    shape = model_shape(validate(TrainConfig(model_name=str(tmp_path / "70b"), load_in_4bit=True, **values)))
+    gib = {gpus: {name: memory.total / 2**30 for name, memory in memory_per_gpu(shape, 1, 2048, "bfloat16", gpus,
+                                                                                True).items()}
+           for gpus in (1, 2, 4)}
+    assert 24 < gib[1]["QLoRA, 1 process or DDP"] < 80 and gib[4]["QLoRA, ZeRO-2"] > 24
+    assert gib[2]["QLoRA, FSDP2"] > 24 > gib[4]["QLoRA, FSDP2"]
