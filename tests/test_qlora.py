@@ -346,10 +346,14 @@ def test_the_adapter_loads_over_the_same_4bit_base_and_the_merge_gap_is_small(wh
     from transformers import AutoModelForCausalLM
 
     from gpt4all_training.model.quantization import keep_weight_layout
-    from gpt4all_training.model.trained import open_model
+    from gpt4all_training.model.trained import describe, open_model
 
     model, _ = open_model(str(whole_run / "final"), torch.float32, torch.device("cpu"))
     assert {type(m).__name__ for _, m in quantized_linears(model)} == {"Linear4bit"}
+    assert describe(str(whole_run / "final"))["weights"]["adapter_of"]["quantization"] == \
+        "4-bit nf4, double quantization"  # what eval's results.json records of the model it scored
+    step = describe(str(whole_run / "step_3"))["weights"]
+    assert step["path"].endswith("step_3/model") and step["adapter_of"]["quantization"].startswith("4-bit nf4")
     keep_weight_layout(model)  # bitsandbytes' bf16 CPU kernel otherwise: compare in fp32
     merged = AutoModelForCausalLM.from_pretrained(whole_run / "final" / "merged").eval()
     ids = fixed_batch(tokenizer)["input_ids"]

@@ -15,8 +15,8 @@ import torch
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import sha256_file
-from gpt4all_training.model.loading import (adapter_base, is_adapter_folder, is_checkpoint, load_model, load_tokenizer,
-                                            training_run_config)
+from gpt4all_training.model.loading import (adapter_base, describe_quantization, is_adapter_folder, is_checkpoint,
+                                            load_model, load_tokenizer, training_run_config)
 from gpt4all_training.model.names import resolved_name
 
 # The precisions `eval` and `serve` load weights in (a training config's dtype, for the end-of-training evaluation).
@@ -84,6 +84,8 @@ def describe(name: str) -> dict[str, Any]:
     weights = source_identity(paths.weights)
     if is_adapter_folder(paths.weights):
         weights["adapter_of"] = source_identity(adapter_base(paths.weights))
+        if quantization := describe_quantization(paths.weights):  # loaded over its base quantized the same way
+            weights["adapter_of"]["quantization"] = quantization
     described = {"path": name, "weights": weights}
     if paths.tokenizer != paths.weights:
         described["tokenizer"] = source_identity(paths.tokenizer)
