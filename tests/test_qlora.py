@@ -382,6 +382,9 @@ def test_export_merges_into_the_dequantized_base_says_so_and_its_gguf_reads_back
     logged = re.search(r"final/merged: the merged model is .* differ by at most (\S+) \(mean",
                        (whole_run / "train.log").read_text())
     assert written and logged and float(written.group(1)) < 1e-4 and float(logged.group(1)) < 1e-4
+    export(str(whole_run / "final" / "merged"), str(tmp_path / "hf"), "hf", "f32")  # measured against final/
+    assert re.search(r"The merged model is the 4-bit nf4, .* differ by at most \S+ \(mean",
+                     (tmp_path / "hf" / "README.md").read_text())
 
     merged = AutoModelForCausalLM.from_pretrained(whole_run / "final" / "merged").eval()
     ids = tokenizer("The capital of France is Paris. Name a primary colour.")["input_ids"]

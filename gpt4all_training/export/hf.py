@@ -100,6 +100,8 @@ def run_folder(source: Path) -> Path | None:
 
 def read_run_info(source: Path) -> RunInfo:
     folders = [source] if source.is_dir() else []
+    if source.name == "merged" and source.parent.name == "final":
+        folders.append(source.parent)  # final/config.yaml: the run that trained the adapter merged here
     if (run_dir := run_folder(source)) is not None:
         folders.append(run_dir)
     info = RunInfo()
