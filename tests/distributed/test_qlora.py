@@ -21,12 +21,12 @@ from support.models import weights
 from support.paths import PYTHON
 
 from .conftest import LORA, SINGLE, launched_once
-from .runs import (GRAD_NORM_RTOL, LOGITS_ATOL, LOSS_ATOL, UPDATE_RTOL, accelerate, final_logit_difference,
-                   relative_update_difference, train_command)
+from .runs import (GRAD_NORM_RTOL, LOGITS_ATOL, LOSS_ATOL, UPDATE_RTOL, WEIGHT_ATOL, accelerate,
+                   final_logit_difference, max_difference, relative_update_difference, train_command)
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
-QLORA = (*LORA, "load_in_4bit=true")
+QLORA = (*LORA, "load_in_4bit=true", "merge_lora=true")
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +57,6 @@ def test_qlora_under_ddp_and_fsdp2_matches_one_process(qlora_runs, validation):
         assert relative_update_difference(weights(run.final), weights(single.final),
                                           weights(single.output_dir / "step_4" / "model")) < UPDATE_RTOL
         assert final_logit_difference(run.final, single.final, validation) < LOGITS_ATOL
+        # final/merged: FSDP2's from a whole copy rebuilt from the source (its fingerprint checked), DDP's in place
+        assert "final/merged: the merged model is the 4-bit nf4, double quantization base dequantized" in run.log
+        assert max_difference(weights(run.final / "merged"), weights(single.final / "merged")) < WEIGHT_ATOL
