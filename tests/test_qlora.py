@@ -107,17 +107,21 @@ class PartitioningBackend:
 
 
 def test_a_combination_that_cannot_shard_is_refused_naming_one_that_works(llama_dir, tokenizer):
+    """8-bit under FSDP2 or ZeRO-3 (int8 weights are not sharded); 4-bit under a partitioning backend that does not
+    say it shards a quantized base (none of ours now: FSDP2 and ZeRO-3 both do)."""
+    for engine in ("FSDP2", "DeepSpeed"):
+        with pytest.raises(UserError) as error:
+            build_training_model(qlora_config(llama_dir, load_in_4bit=False, load_in_8bit=True), tokenizer,
+                                 PartitioningBackend(engine, True))
+        assert str(error.value) == (
+            f"load_in_8bit: {engine} partitions every parameter across the processes, and int8 weights cannot be "
+            f"sharded; use load_in_4bit (its storage is sharded), or a launch that keeps a whole base per process "
+            f"(one process, DDP, DeepSpeed ZeRO-1/2)")
     with pytest.raises(UserError) as error:
-        build_training_model(qlora_config(llama_dir), tokenizer, PartitioningBackend("DeepSpeed ZeRO-3", False))
+        build_training_model(qlora_config(llama_dir), tokenizer, PartitioningBackend("a new engine", False))
     assert str(error.value) == (
-        "load_in_4bit: DeepSpeed ZeRO-3 cannot partition a quantized base across the processes; use FSDP2 "
-        "(configs/accelerate/fsdp2_8gpu.yaml) to shard it, or a launch that keeps a whole base per process (one "
-        "process, DDP, DeepSpeed ZeRO-1/2)")
-    with pytest.raises(UserError) as error:
-        build_training_model(qlora_config(llama_dir, load_in_4bit=False, load_in_8bit=True), tokenizer,
-                             PartitioningBackend("FSDP2", True))
-    assert str(error.value).startswith("load_in_8bit: FSDP2 partitions every parameter across the processes, and int8 "
-                                       "weights cannot be sharded; use load_in_4bit")
+        "load_in_4bit: a new engine cannot partition a quantized base across the processes; use FSDP2 or DeepSpeed "
+        "ZeRO-3 to shard it, or a launch that keeps a whole base per process (one process, DDP, DeepSpeed ZeRO-1/2)")
 
 
 # ---------------------------------------------------------------- the quantized base
@@ -444,4 +448,5 @@ def test_plan_says_which_llama3_shaped_qlora_runs_fit_which_gpus(tmp_path, pairs
                                                                                 True).items()}
            for gpus in (1, 2, 4)}
     assert 24 < gib[1]["QLoRA, 1 process or DDP"] < 80 and gib[4]["QLoRA, ZeRO-2"] > 24
+    assert gib[4]["QLoRA, ZeRO-3"] == gib[4]["QLoRA, FSDP2"]
     assert gib[2]["QLoRA, FSDP2"] > 24 > gib[4]["QLoRA, FSDP2"]

@@ -203,7 +203,7 @@ class Quantization(Block):
                              "quantization constants); the adapter trains in fp32 over them, computing in dtype. "
                              "Needs lora: true.", False)
     load_in_8bit: bool = doc("Store the base's linear layers in 8 bits (LLM.int8, about 1 byte per weight). Needs "
-                             "lora: true; not under FSDP2 or ZeRO-3, which cannot shard int8 weights.", False)
+                             "lora: true; not under FSDP2 or ZeRO-3, which do not shard int8 weights.", False)
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = doc("load_in_4bit: 'nf4' (NormalFloat, QLoRA's) or 'fp4'.", "nf4")
     bnb_4bit_use_double_quant: bool = doc("load_in_4bit: quantize the quantization constants too (about 0.37 bit "
                                           "per weight saved, as QLoRA).", True)

@@ -80,7 +80,7 @@ def quantization_for(config: TrainConfig, backend: BuildingBackend):
                         f"that keeps a whole base per process (one process, DDP, DeepSpeed ZeRO-1/2)")
     if backend.partitions_parameters and not backend.shards_quantized_base:
         raise UserError(f"{key}: {backend.engine_name} cannot partition a quantized base across the processes; "
-                        f"use FSDP2 (configs/accelerate/fsdp2_8gpu.yaml) to shard it, or a launch that keeps a "
+                        f"use FSDP2 or DeepSpeed ZeRO-3 to shard it, or a launch that keeps a "
                         f"whole base per process (one process, DDP, DeepSpeed ZeRO-1/2)")
     return bnb_config(settings, DTYPES[config.dtype], backend.quantized_storage)
 

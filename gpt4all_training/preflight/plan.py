@@ -59,7 +59,7 @@ QUANTIZED_FORMULAS = (
     "  dequantized in the compute dtype (c bytes) while it runs; LoRA trains T:\n"
     "  1 process, DDP: qQ + 4(P - Q) + c*largest + 4T + 8T\n"
     "  FSDP2:          (qQ + 4(P - Q))/N + c*largest + (4T + 8T)/N (4-bit only: int8 weights are not sharded)\n"
-    "  ZeRO-2:         qQ + 4(P - Q) + c*largest + (4T + 8T)/N;  ZeRO-3 refuses a quantized base")
+    "  ZeRO-2:         qQ + 4(P - Q) + c*largest + (4T + 8T)/N;  ZeRO-3 (4-bit only): as FSDP2")
 
 
 # ---------------------------------------------------------------- the model's shape (no weights loaded)
@@ -180,9 +180,12 @@ def quantized_memory(shape: ModelShape, activations: float, dtype: str, gpus: in
     base = shape.quantized_bytes + 4 * (P - Q)
     dequantized = (4 if dtype == "float32" else 2) * shape.largest_linear
     estimates = {"QLoRA, 1 process or DDP": Memory(base + dequantized, 4 * T, 8 * T, activations)}
-    if shape.quantized_bytes < Q:  # 4-bit: FSDP2 shards its storage
-        estimates["QLoRA, FSDP2"] = Memory(base / N + dequantized, 4 * T / N, 8 * T / N, activations)
+    sharded = Memory(base / N + dequantized, 4 * T / N, 8 * T / N, activations)
+    if shape.quantized_bytes < Q:  # 4-bit: FSDP2 and ZeRO-3 shard its storage
+        estimates["QLoRA, FSDP2"] = sharded
     estimates["QLoRA, ZeRO-2"] = Memory(base + dequantized, 4 * T / N, 8 * T / N, activations)
+    if shape.quantized_bytes < Q:
+        estimates["QLoRA, ZeRO-3"] = sharded
     return estimates
 
 
