@@ -20,7 +20,7 @@ plugs in here too, with the loop and the objectives untouched: a frozen base in 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -101,6 +101,7 @@ def base_model(config: TrainConfig, tokenizer, *, dtype: torch.dtype = MASTER_DT
     if config.init == "from_config":
         model = build_model_from_config(config, tokenizer, dtype)
     else:
+        assert config.model_name is not None  # init pretrained requires it
         model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                            dtype, quantization=quantization, device=device)
     if dropout_off:
@@ -112,8 +113,9 @@ def assemble(model: nn.Module, config: TrainConfig, backend: BuildingBackend) ->
     """`model` (a base) made into the model a run trains: checkpointed, with its LoRA adapter, the loss told what it
     may do with the output head, and its parameter counts logged."""
     if config.gradient_checkpointing and not model.is_activation_checkpointing:
-        model.activation_checkpointing_enable()
-        model.config.use_cache = False  # the cache is built during the forward that checkpointing recomputes
+        model.activation_checkpointing_enable()  # type: ignore[operator]  # torch: an attribute is Tensor | Module
+        # The cache is built during the forward that checkpointing recomputes.
+        model.config.use_cache = False  # type: ignore[union-attr]  # torch types it as Tensor | Module
     if config.lora:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            config.gradient_checkpointing)
@@ -121,7 +123,8 @@ def assemble(model: nn.Module, config: TrainConfig, backend: BuildingBackend) ->
     log_parameter_counts(model, backend)
     if is_quantized(model):
         keep_weight_layout(model)
-        unwrap_model(model).base_fingerprint = base_fingerprint(model)
+        unwrapped: Any = unwrap_model(model)
+        unwrapped.base_fingerprint = base_fingerprint(model)  # what checkpoints record
         log_quantized_storage(model, config, backend)
     return model
 
@@ -131,7 +134,7 @@ def recorded_base_fingerprint(model: nn.Module) -> str | None:
     return getattr(unwrap_model(model), "base_fingerprint", None)
 
 
-def quantized_whole_copy(unwrapped: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+def quantized_whole_copy(unwrapped: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     """A whole CPU copy of `unwrapped` (a PEFT model over a quantized base, sharded in memory): the base rebuilt from
     its source as the run quantized it, refused unless its fingerprint is the one the run trained over, and the
     adapter's weights from the gathered `state_dict`. What merging needs where the backend shards the base."""
@@ -180,7 +183,8 @@ def allow_chunked_head(model: nn.Module, allowed: bool) -> None:
     """Tell the loss once, on the model it will be given, whether it may select the trained positions and project
     them through the output head in chunks (training/loss.py): the backend's to say (a partitioned head, fixed
     shapes), and every loss of a run (the objective's, validation's, a preference reference's) sees this model."""
-    unwrap_model(model).chunked_head_allowed = allowed
+    # torch types a module's attributes as Tensor | Module
+    unwrap_model(model).chunked_head_allowed = allowed  # type: ignore[assignment]
 
 
 def chunked_head_allowed(model: nn.Module) -> bool:
@@ -202,6 +206,7 @@ def architecture(config: TrainConfig, tokenizer):
     """The config of the model to train, without its weights: built from model_config, or model_name's."""
     if config.init == "from_config":
         return resolve_model_config(config, tokenizer)
+    assert config.model_name is not None  # init pretrained requires it
     return model_config(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code)
 
 

@@ -112,8 +112,10 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
 def tokenizer_for(config: ModelSource):
     """The tokenizer a train, inference, generate, plan or check config names (its model's, unless tokenizer_name),
     with the config's chat_template when it sets one."""
-    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
-                               config.trust_remote_code, "tokenizer_name" if config.tokenizer_name else "model_name")
+    name = config.tokenizer_name or config.model_name
+    assert name is not None  # validate() requires one of them
+    tokenizer = load_tokenizer(name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                               "tokenizer_name" if config.tokenizer_name else "model_name")
     return apply_chat_template_option(tokenizer, config.chat_template)
 
 

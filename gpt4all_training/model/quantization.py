@@ -95,7 +95,7 @@ def is_quantized(model) -> bool:
     return bool(getattr(unwrap_model(model), "is_quantized", False))
 
 
-def quantized_linears(model) -> list[tuple[str, nn.Module]]:
+def quantized_linears(model) -> list[tuple[str, Any]]:
     """(name, module) of every bitsandbytes linear layer in `model`, the base layers under LoRA included."""
     import bitsandbytes as bnb
 
@@ -172,7 +172,7 @@ def bytes_per_weight(settings: Mapping[str, Any], in_features: int) -> float:
 
 # ---------------------------------------------------------------- merging
 
-def dequantized_weight(module: nn.Module) -> torch.Tensor:
+def dequantized_weight(module: Any) -> torch.Tensor:
     """A bitsandbytes layer's weight as an fp32 tensor: the values its forward multiplies by (transformers'
     dequantization, 4-bit and 8-bit)."""
     from transformers.integrations.bitsandbytes import dequantize_bnb_weight
@@ -200,11 +200,12 @@ def merge_into_dequantized(peft_model, dtype: torch.dtype) -> nn.Module:
     replacements: dict[str, nn.Module] = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
-            layer = module.get_base_layer()
+            lora: Any = module  # PEFT's LoRA layers type their pieces loosely
+            layer = lora.get_base_layer()
             with torch.no_grad():
                 weight = dequantized_weight(layer) if is_bnb_layer(layer) else layer.weight.detach().float()
-                if adapter in module.lora_A:
-                    weight += module.get_delta_weight(adapter).float()
+                if adapter in lora.lora_A:
+                    weight += lora.get_delta_weight(adapter).float()
             replacements[name] = plain_linear(weight, layer.bias, dtype)
     for name, module in quantized_linears(base):
         if not any(name == done or name.startswith(done + ".") for done in replacements):

@@ -214,9 +214,10 @@ def curate_job(workdir: Workdir, map_input: str, output: str, ids: Optional[list
     return commands, work
 
 
-def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, limit: Optional[int] = None
-             ) -> tuple[list[str], Work]:
-    """`eval` of one model, or of two (before and after) with `--compare`: the scores side by side."""
+def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, limit: Optional[int] = None,
+             device: Optional[str] = None) -> tuple[list[str], Work]:
+    """`eval` of one model, or of two (before and after) with `--compare`: the scores side by side. `device`: the
+    studio's --device (None: CUDA when there is one)."""
     if not 1 <= len(models) <= 2:
         raise UserError("models: give one model, or two to compare (before, after)")
     if not tasks:
@@ -225,9 +226,9 @@ def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, l
         raise UserError(f"limit: must be at least 1, got {limit}")
     paths = [relative(workdir, model, "models") for model in models]
     folders = [relative(workdir, f"{EVAL_DIR}/{name}/{label}", "name") for label in EVAL_LABELS[:len(paths)]]
-    settings = EvalSettings(tasks=tuple(tasks), include_paths=(str(EVAL_SUITE_DIR),), limit=limit)
+    settings = EvalSettings(tasks=tuple(tasks), include_paths=(str(EVAL_SUITE_DIR),), limit=limit, device=device)
     commands = [command("eval", "--model", path, "--tasks", ",".join(tasks), "--include-path", EVAL_SUITE_DIR,
-                        *flag("--limit", limit), "--output", folder,
+                        *flag("--limit", limit), *flag("--device", device), "--output", folder,
                         *flag("--compare", f"{folders[0]}/results.json" if index else None))
                 for index, (path, folder) in enumerate(zip(paths, folders))]
 
@@ -249,7 +250,8 @@ def score_rows(runs: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
     for task in sorted(set().union(*runs)):
         for metric in sorted(set().union(*(run.get(task, {}) for run in runs))):
             values = [run.get(task, {}).get(metric) for run in runs]
-            change = values[1] - values[0] if len(values) == 2 and None not in values else None
+            before, after = values if len(values) == 2 else (None, None)
+            change = after - before if before is not None and after is not None else None
             name, _, filter_name = metric.partition(",")  # the harness's "metric,filter"; filter "none" is no filter
             shown = name if filter_name in ("", "none") else f"{name} ({filter_name})"
             rows.append({"task": task, "metric": shown, "values": values, "change": change})

@@ -233,7 +233,7 @@ def suite_tasks() -> list[str]:
     return names
 
 
-def create_app(settings: StudioSettings) -> FastAPI:
+def create_app(settings: StudioSettings) -> Guard:
     """The studio over `settings.workdir`, which must be the current folder: the commands the pages show run from
     it, and the package functions read the same relative paths."""
     workdir = Workdir(settings.workdir)
@@ -438,7 +438,8 @@ def create_app(settings: StudioSettings) -> FastAPI:
 
     @app.post("/api/jobs/eval")
     def eval_job(body: EvalBody):
-        return started("eval", actions.eval_job(workdir, body.models, body.tasks, body.name, body.limit))
+        return started("eval", actions.eval_job(workdir, body.models, body.tasks, body.name, body.limit,
+                                                settings.device))
 
     @app.post("/api/jobs/export")
     def export_job(body: ExportBody):
