@@ -193,11 +193,40 @@ class LoRA(Block):
     lora_dropout: float = doc("Dropout on the LoRA input.", 0.05)
     lora_target_modules: Optional[list[str]] = doc("Module names to adapt; unset means PEFT's default for the model.")
     merge_lora: bool = doc("Also save the adapter merged into the base (merged in fp32) under final/merged.", False)
+    merge_dtype: Dtype = doc("merge_lora: the precision final/merged is written in. The adapter is merged in fp32 "
+                             "(into the dequantized base under quantization), then cast.", "float32")
 
     def checks(self) -> list[Check]:
         return [
             Check("lora_r", self.lora_r >= 1, "must be at least 1"),
             Check("lora_dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)"),
+            Check("merge_dtype", self.merge_lora or self.merge_dtype == "float32",
+                  "only merge_lora reads it; remove it or set merge_lora: true"),
+        ]
+
+
+@dataclass
+class Quantization(Block):
+    """quantization: the frozen base stored in 4 or 8 bits under a LoRA adapter (QLoRA), by bitsandbytes."""
+    load_in_4bit: bool = doc("Store the base's linear layers in 4 bits (QLoRA: about 0.5 byte per weight plus its "
+                             "quantization constants); the adapter trains in fp32 over them, computing in dtype. "
+                             "Needs lora: true.", False)
+    load_in_8bit: bool = doc("Store the base's linear layers in 8 bits (LLM.int8, about 1 byte per weight). Needs "
+                             "lora: true; not under FSDP2 or ZeRO-3, which do not shard int8 weights.", False)
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = doc("load_in_4bit: 'nf4' (NormalFloat, QLoRA's) or 'fp4'.", "nf4")
+    bnb_4bit_use_double_quant: bool = doc("load_in_4bit: quantize the quantization constants too (about 0.37 bit "
+                                          "per weight saved, as QLoRA).", True)
+
+    def checks(self) -> list[Check]:
+        defaults = Quantization()
+        unread = "only load_in_4bit reads it; remove it or set load_in_4bit: true"
+        return [
+            Check("load_in_8bit", not (self.load_in_4bit and self.load_in_8bit),
+                  "load_in_4bit and load_in_8bit exclude each other; set one", got=False),
+            Check("bnb_4bit_quant_type", self.load_in_4bit or self.bnb_4bit_quant_type == defaults.bnb_4bit_quant_type,
+                  unread),
+            Check("bnb_4bit_use_double_quant",
+                  self.load_in_4bit or self.bnb_4bit_use_double_quant == defaults.bnb_4bit_use_double_quant, unread),
         ]
 
 

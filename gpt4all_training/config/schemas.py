@@ -17,8 +17,8 @@ from typing import Literal, Optional
 
 from gpt4all_training.config.blocks import (LOSS_TYPES, OBJECTIVE_DEFAULTS, Batching, Check, Checkpoints, DataSource,
                                             Evaluation, Examples, Faults, LoRA, Logging, ModelSource, Objective,
-                                            Optimizer, Preference, PromptFormat, Publishing, Rollouts, Schedule,
-                                            TextField, TrainingCompute, at_least_one)
+                                            Optimizer, Preference, PromptFormat, Publishing, Quantization, Rollouts,
+                                            Schedule, TextField, TrainingCompute, at_least_one)
 from gpt4all_training.config.fields import doc
 
 # The tokenizer's end-of-text token: the first special token by default.
@@ -29,7 +29,7 @@ HELDOUT_STRIDE = 10
 
 @dataclass
 class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimizer, Schedule, Batching, PromptFormat,
-                  Examples, DataSource, TextField, Rollouts, Preference, Objective, LoRA, TrainingCompute,
+                  Examples, DataSource, TextField, Rollouts, Preference, Objective, Quantization, LoRA, TrainingCompute,
                   ModelSource):
     """training: a fine-tuning, preference-tuning, reinforcement-learning or pretraining run (`train`; `data`, `plan`
     and `check` read the same config)."""
@@ -55,6 +55,9 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
         rows = self.objective == "causal_lm"
         return [
             Check("init", not scratch or not self.lora, "from_config trains every weight; set lora: false"),
+            Check(self.quantized_key or "load_in_4bit", not self.quantized_key or self.lora,
+                  "a quantized base stays frozen and only a LoRA adapter trains over it (QLoRA): set lora: true, "
+                  "or drop it to fine-tune every weight", got=False),
             Check("model_config", not scratch or bool(self.model_config or self.model_name),
                   "init from_config needs model_config (a folder, a model type such as gptj, or a Hub id)"),
             Check("tokenizer_name", not scratch or bool(self.tokenizer_name or self.model_name),
@@ -70,6 +73,11 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
             *self.preference_checks(),
             *self.rollout_checks(),
         ]
+
+    @property
+    def quantized_key(self) -> str | None:
+        """The key that quantizes the base (load_in_4bit or load_in_8bit), or None."""
+        return "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
 
     def preference_checks(self) -> list[Check]:
         """The preference keys that a setting leaves without effect are refused rather than ignored."""

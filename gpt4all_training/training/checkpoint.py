@@ -65,6 +65,7 @@ from gpt4all_training.files import marker_problem as verify
 from gpt4all_training.files import save_tensors as torch_save
 from gpt4all_training.files import sha256_file as sha256  # noqa: F401
 from gpt4all_training.files import write_marker
+from gpt4all_training.model.build import recorded_base_fingerprint
 from gpt4all_training.training.resume_config import (NEW_OUTPUT_DIR, check_config_changes, config_changes,
                                                      hyperparameters, refuse_changes, restore_hyperparameters)
 from gpt4all_training.training.state import TrainState
@@ -108,14 +109,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the sampler's state
 
 def training_state(step: int, trained_tokens: int, sampler, run_id: str | None = None,
-                   data_fingerprint: str | None = None) -> dict[str, Any]:
+                   data_fingerprint: str | None = None, base_fingerprint: str | None = None) -> dict[str, Any]:
     """state.json: the step (the only thing resume needs) and what derives from it, for readers and checks, with
-    the run's id and its data's content hash."""
+    the run's id, its data's content hash and, under a quantized base (which no checkpoint holds), the base's."""
     epoch, position = divmod(step, sampler.steps_per_epoch)
-    return {"step": step, "epoch": epoch, "position": position, "steps_per_epoch": sampler.steps_per_epoch,
-            "seed": sampler.seed, "n_examples": sampler.n_examples, "examples_per_step": sampler.examples_per_step,
-            "group_by_length": getattr(sampler, "lengths", None) is not None, "world_size": sampler.world_size,
-            "trained_tokens": trained_tokens, "run_id": run_id, "data_fingerprint": data_fingerprint}
+    state = {"step": step, "epoch": epoch, "position": position, "steps_per_epoch": sampler.steps_per_epoch,
+             "seed": sampler.seed, "n_examples": sampler.n_examples, "examples_per_step": sampler.examples_per_step,
+             "group_by_length": getattr(sampler, "lengths", None) is not None, "world_size": sampler.world_size,
+             "trained_tokens": trained_tokens, "run_id": run_id, "data_fingerprint": data_fingerprint}
+    if base_fingerprint is not None:
+        state["base_fingerprint"] = base_fingerprint
+    return state
+
+
+def check_same_base(state: dict[str, Any], model, folder: Path) -> None:
+    """Refuse a resume over a quantized base other than the one the checkpoint's adapter was trained over: the
+    same model_name whose files changed, or a bitsandbytes that quantizes them differently."""
+    saved, current = state.get("base_fingerprint"), recorded_base_fingerprint(model)
+    if saved != current:
+        raise UserError(f"checkpoint {folder}: its adapter was trained over a quantized base with fingerprint "
+                        f"{(saved or 'none')[:12]}, and the base built now has {(current or 'none')[:12]}: "
+                        f"model_name's weights or the bitsandbytes version differ; resume with the base and "
+                        f"bitsandbytes the run started with, or start a new output_dir")
 
 
 def check_resumable(state: dict[str, Any], sampler, folder: Path) -> None:
@@ -311,7 +326,8 @@ def save_step_checkpoint(output_dir: Path, state: TrainState, checkpointer: Chec
         set_aside(folder, backend.print, f"{folder.name} holds another run's checkpoint")
     save_checkpoint(folder, backend, model, optimizer, scheduler,
                     training_state(state.step, state.trained_tokens, checkpointer.sampler,
-                                   checkpointer.lineage.run_id, checkpointer.fingerprint),
+                                   checkpointer.lineage.run_id, checkpointer.fingerprint,
+                                   recorded_base_fingerprint(model)),
                     checkpointer.config_yaml, checkpointer.sampler.data_state(), checkpointer.objective_state())
     if backend.is_main_process:
         checkpointer.lineage.verified[folder] = None  # just written and hashed
@@ -563,6 +579,7 @@ def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, s
         changed = check_config_changes(folder, yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")),
                                        config, saved, fingerprint, sampler.steps_per_epoch, log, start.alternative)
         fresh = hyperparameters(scheduler)
+        check_same_base(saved, model, folder)  # before the adapter is loaded over it
         saved = load_checkpoint(folder, backend, model, optimizer, scheduler, verified)
         check_resumable(saved, sampler, folder)
         if changed:
