@@ -55,7 +55,7 @@ def pairs_dir(tmp_path_factory) -> Path:
 
 def qlora_config(model_dir, **overrides) -> TrainConfig:
     values = dict(model_name=str(model_dir), dataset_path="unread", lora=True, lora_r=8, lora_alpha=16,
-                  lora_dropout=0.0, lora_target_modules=TARGETS, load_in_4bit=True)
+                  lora_dropout=0.0, lora_target_modules=TARGETS, load_in_4bit=True, dtype="float32")
     values.update(overrides)
     return validate(TrainConfig(**values))
 
@@ -258,7 +258,7 @@ def run_values(model_dir, data_dir, output_dir, **overrides) -> dict:
     values = dict(model_name=str(model_dir), dataset_path=str(data_dir), output_dir=str(output_dir), max_length=64,
                   batch_size=4, lr=1e-2, min_lr=1e-3, warmup_steps=1, val_fraction=0.25, num_epochs=100, max_steps=6,
                   eval_every=3, save_every=3, num_proc=1, seed=0, lora=True, lora_r=8, lora_alpha=16,
-                  lora_dropout=0.1, lora_target_modules=TARGETS, load_in_4bit=True, merge_lora=True)
+                  lora_dropout=0.1, lora_target_modules=TARGETS, load_in_4bit=True, merge_lora=True, dtype="float32")
     return {**values, **overrides}
 
 
