@@ -17,7 +17,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast test-xla deepspeed-ops demo clean-cache
+.PHONY: install lint test test-fast test-xla deepspeed-ops demo clean-cache
 
 # uv installs the same pins as pip, resolved the same way, in about a fifth of the time: it downloads in parallel and
 # does not byte-compile every file of every package (a module compiles on its first import). uv does not read pip's
@@ -53,8 +53,14 @@ test: $(STAMP)
 	bash scripts/ensure_chromium.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --basetemp=$(TMPDIR)/pytest --durations=25 $(PYTEST_ARGS)
 
-# The unit tests alone: what no marker in pyproject.toml names (no end-to-end run, no 2-process launch, nothing slow).
-test-fast: $(STAMP)
+# Ruff and mypy, configured in pyproject.toml: the package lint- and type-clean.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gpt4all_training tests bench demo configs scripts *.py
+	$(VENV)/bin/mypy
+
+# The unit tests alone: what no marker in pyproject.toml names (no end-to-end run, no 2-process launch, nothing slow),
+# after the lint.
+test-fast: $(STAMP) lint
 	@mkdir -p $(TMPDIR)
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --basetemp=$(TMPDIR)/pytest-fast \
 		-m "not integration and not distributed and not slow" $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""`python build_map.py ...` is `gpt4all-training build_map ...`; see gpt4all_training/analysis/map/."""
+"""`python build_map.py ...` is `gpt4all-training build_map ...`; see gpt4all_training/cli/build_map.py."""
 
 from gpt4all_training.cli.main import run_as_script
 

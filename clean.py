@@ -1,4 +1,4 @@
-"""`python clean.py ...` is `gpt4all-training clean ...`; see gpt4all_training/clean.py."""
+"""`python clean.py ...` is `gpt4all-training clean ...`; see gpt4all_training/cli/clean.py."""
 
 from gpt4all_training.cli.main import run_as_script
 

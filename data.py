@@ -1,4 +1,4 @@
-"""`python data.py ...` is `gpt4all-training data ...`; see gpt4all_training/data.py."""
+"""`python data.py ...` is `gpt4all-training data ...`; see gpt4all_training/cli/data.py."""
 
 from gpt4all_training.cli.main import run_as_script
 

@@ -1,4 +1,4 @@
-"""`python export.py ...` is `gpt4all-training export ...`; see gpt4all_training/export.py."""
+"""`python export.py ...` is `gpt4all-training export ...`; see gpt4all_training/cli/export.py."""
 
 from gpt4all_training.cli.main import run_as_script
 

@@ -1,4 +1,4 @@
-"""`python generate.py ...` is `gpt4all-training generate ...`; see gpt4all_training/generate.py."""
+"""`python generate.py ...` is `gpt4all-training generate ...`; see gpt4all_training/cli/generate.py."""
 
 from gpt4all_training.cli.main import run_as_script
 

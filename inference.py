@@ -1,4 +1,5 @@
-"""`python inference.py ...` (also under torchrun) is `gpt4all-training inference ...`; see the package module."""
+"""`python inference.py ...` (also under torchrun) is `gpt4all-training inference ...`; see
+gpt4all_training/cli/inference.py."""
 
 from gpt4all_training.cli.main import run_as_script
 

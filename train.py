@@ -1,4 +1,4 @@
-"""`python train.py ...` is `gpt4all-training train ...`; see gpt4all_training/train.py."""
+"""`python train.py ...` is `gpt4all-training train ...`; see gpt4all_training/cli/train.py."""
 
 from gpt4all_training.cli.main import run_as_script
 

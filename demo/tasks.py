@@ -1,10 +1,10 @@
 """A seeded generator of instruction data whose answers can be checked exactly.
 
-Four task families: arithmetic, unit conversion, string reversal and sorting a short list, asked two at a time in
-conversations written as OpenAI `messages` JSONL, so the demo runs them through clean.py like user data; and, for
-preference tuning, one task at a time as a prompt with its correct answer chosen over a wrong one of the kind that
-family invites (TRL's message shape).
-"""
+Four task families (gpt4all_training/evaluation/checkable.py, shared with the offline eval suite): arithmetic, unit
+conversion, reversing a word and sorting a short list, asked two at a time in conversations written as OpenAI
+`messages` JSONL, so the demo runs them through clean.py like user data; and, for preference tuning, one task at a
+time as a prompt with its correct answer chosen over a wrong one of the kind that family invites (TRL's message
+shape)."""
 
 from __future__ import annotations
 
@@ -12,49 +12,12 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ("apple", "river", "garden", "planet", "window", "silver", "dragon", "pencil", "forest", "castle",
-         "rocket", "violin", "marble", "harbor", "lantern", "meadow", "tiger", "cookie", "bridge", "summer",
-         "candle", "wizard", "pocket", "island", "mirror", "basket", "jungle", "copper", "turtle", "winter",
-         "guitar", "falcon", "carpet", "button", "orange", "canyon", "pillow", "rabbit", "helmet", "velvet",
-         "sunset", "kitten", "ladder", "anchor", "puzzle", "shadow", "thunder", "crystal", "blanket", "compass")
-UNITS = (("km", "m", 1000), ("m", "cm", 100), ("kg", "g", 1000), ("hours", "minutes", 60), ("minutes", "seconds", 60),
-         ("liters", "milliliters", 1000))
-
-
-def arithmetic(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    if rng.random() < 0.5:
-        return f"What is {a} + {b}? Answer with the number only.", str(a + b)
-    a, b = max(a, b), min(a, b)
-    return f"What is {a} - {b}? Answer with the number only.", str(a - b)
-
-
-def unit_conversion(rng: random.Random) -> tuple[str, str]:
-    big, small, factor = rng.choice(UNITS)
-    n = rng.randint(2, 40)
-    return f"Convert {n} {big} to {small}. Answer with the number only.", str(n * factor)
-
-
-def reverse_string(rng: random.Random) -> tuple[str, str]:
-    word = rng.choice(WORDS)
-    return f"Reverse the letters of the word '{word}'. Answer with the reversed word only.", word[::-1]
-
-
-def sort_numbers(rng: random.Random) -> tuple[str, str]:
-    numbers = rng.sample(range(1, 50), rng.randint(3, 5))
-    listed = ", ".join(map(str, numbers))
-    return (f"Sort these numbers in ascending order: {listed}. Answer with the sorted list only.",
-            ", ".join(map(str, sorted(numbers))))
-
-
-TASKS = {"arithmetic": arithmetic, "unit_conversion": unit_conversion, "reverse_string": reverse_string,
-         "sort_numbers": sort_numbers}
-
+from gpt4all_training.evaluation.checkable import FAMILIES
 
 # A wrong answer to a task, from its right one: the mistakes each family invites.
 WRONG = {"arithmetic": lambda answer, rng: str(int(answer) + rng.choice((-10, -1, 1, 10))),
          "unit_conversion": lambda answer, rng: str(int(answer) * 10),
-         "reverse_string": lambda answer, rng: answer[::-1],  # the word as it was given
+         "reverse_word": lambda answer, rng: answer[::-1],  # the word as it was given
          "sort_numbers": lambda answer, rng: ", ".join(reversed(answer.split(", ")))}
 
 
@@ -70,12 +33,12 @@ def make_conversations(seed: int):
     answered by the assistant. The second round cycles through the families and `source` names it: the demo scores
     that answer, per family."""
     rng = random.Random(seed)
-    names = list(TASKS)
+    names = list(FAMILIES)
     i = 0
     while True:
         second = names[i % len(names)]
         first = rng.choice([name for name in names if name != second])
-        turns = [TASKS[first](rng), TASKS[second](rng)]
+        turns = [FAMILIES[first](rng), FAMILIES[second](rng)]
         messages = [{"role": "system", "content": SYSTEM}]
         for prompt, answer in turns:
             messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
@@ -120,10 +83,10 @@ def write_preference_pairs(out_dir: Path, n_pairs: int, seed: int, held_out: set
     """raw/pairs.jsonl: `n_pairs` single tasks, the families in turn, each with its correct answer chosen and a wrong
     one rejected; no prompt is one of `held_out` (the test conversations' questions) or repeats."""
     rng = random.Random(seed)
-    names, rows, seen = list(TASKS), [], set(held_out)
+    names, rows, seen = list(FAMILIES), [], set(held_out)
     while len(rows) < n_pairs:
         family = names[len(rows) % len(names)]
-        prompt, answer = TASKS[family](rng)
+        prompt, answer = FAMILIES[family](rng)
         if prompt in seen:
             continue
         seen.add(prompt)

@@ -34,8 +34,7 @@ def render(data: dict) -> str:
     """The table for `data` ({"families": {family: {"name", "features", "cells": {cell: outcome}}}}): ✓ where the
     cell's checks held, "refused (n)" with the refusal's line numbered below the table."""
     refusals: list[str] = []
-    rows = ["| family | its tiny model has | " + " | ".join(COLUMNS.values()) + " |",
-            "|---|---|" + "---|" * len(COLUMNS)]
+    rows = ["| family | " + " | ".join(COLUMNS.values()) + " |", "|---|" + "---|" * len(COLUMNS)]
     for family in data["families"].values():
         cells = []
         for column in COLUMNS:
@@ -47,7 +46,7 @@ def render(data: dict) -> str:
                 if line not in refusals:
                     refusals.append(line)
                 cells.append(f"refused ({refusals.index(line) + 1})")
-        rows.append(f"| {family['name']} | {family['features']} | " + " | ".join(cells) + " |")
+        rows.append(f"| {family['name']} | " + " | ".join(cells) + " |")
     notes = [f"{number}. `{line}`" for number, line in enumerate(refusals, 1)]
     return "\n".join([*rows, *(["", *notes] if notes else [])])
 

@@ -1,4 +1,4 @@
-"""config.py: every gpt4all key, defaults, typed `key=value` overrides, and one-line errors with exit code 2.
+"""config/: every gpt4all key, defaults, typed `key=value` overrides, and one-line errors with exit code 2.
 
 Most CLI cases call the `data` subcommand in-process (its first act is loading the config, as `train` does, and it
 imports far less); two run `train.py` and `data.py` as real subprocesses to show the stderr line and exit code.

@@ -51,6 +51,15 @@ def columns(split) -> dict:
     return {name: split[name] for name in ("input_ids", "labels", "index", "n_trained")}
 
 
+def test_the_tokenizer_fingerprint_ignores_the_padding_and_truncation_a_call_left(tokenizer):
+    """A fast tokenizer keeps the padding and truncation of its last call; a fingerprint taken after a padded call
+    (a plan, another stage) is the fresh tokenizer's, or the second start of a run would miss its own cache."""
+    fresh = cache.tokenizer_fingerprint(tokenizer)
+    tokenizer(["a", "a b c"], padding=True, truncation=True, max_length=2)
+    assert tokenizer.backend_tokenizer.padding is not None  # the state the call left
+    assert cache.tokenizer_fingerprint(tokenizer) == fresh
+
+
 def test_a_second_start_loads_the_tokenized_splits(tokenizer, tiny_model_dir, data_dir, tmp_path, tokenizations):
     first, first_lines = start(tokenizer, tiny_model_dir, data_dir, tmp_path)
     second, second_lines = start(tokenizer, tiny_model_dir, data_dir, tmp_path)

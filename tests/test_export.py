@@ -1,4 +1,4 @@
-"""export.py and gguf_export.py: files that real readers load back to the same model.
+"""export/hf.py and export/gguf.py: files that real readers load back to the same model.
 
 Every GGUF here is read by transformers' own GGUF loader (`from_pretrained(dir, gguf_file=...)`), the same layout
 llama.cpp reads; every HF export by `from_pretrained(dir)`. The models are a tiny Llama (2 layers, width 64,
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import numpy as np
 import yaml
 
 from support.files import dolly_texts

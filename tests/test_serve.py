@@ -126,6 +126,25 @@ def test_a_full_queue_refuses_the_next_request(chat_tokenizer):
         loop.close()
 
 
+def test_a_web_app_mounts_the_openai_routes_beside_its_own(chat_tokenizer):
+    """The OpenAI routes are a router: another app includes them beside its own pages, errors in OpenAI's shape."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from gpt4all_training.serving.app import ServeSettings, add_error_handlers, openai_router
+
+    engine = Engine(build_tiny_gptj(chat_tokenizer), chat_tokenizer, set(), max_batch_size=2, max_queue=1)
+    app = FastAPI()
+    add_error_handlers(app)
+    app.include_router(openai_router(engine, chat_tokenizer, ServeSettings(model_id="tiny"), 512))
+    app.get("/")(lambda: {"page": "home"})
+    with TestClient(app) as client:
+        assert client.get("/").json() == {"page": "home"}
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+        missing = client.get("/v1/models/other")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
 # ---------------------------------------------------------------- tools and reasoning, pure
 
 # (reply, whether the prompt opened a <think> block, the reasoning and content a client gets)

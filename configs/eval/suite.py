@@ -9,7 +9,7 @@ Three tasks, one per kind of request the harness makes:
   (arithmetic, unit conversion, reversing a word, sorting numbers).
 
 This file is imported by lm-evaluation-harness (also by its own `lm_eval` command), so it uses only the standard
-library and `datasets`.
+library, `datasets` and the exact-match families it shares with the demo (gpt4all_training/evaluation/checkable.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Callable
 
 import datasets
 
+from gpt4all_training.evaluation.checkable import FAMILIES
+
 TEST_SIZE = 100
 FEWSHOT_SIZE = 10  # the train split: few-shot examples only, never scored
 
@@ -27,12 +29,6 @@ NAMES = ("Anna", "Ben", "Clara", "David", "Elena", "Felix", "Grace", "Hugo", "Ir
 THINGS = ("violin", "lantern", "compass", "basket", "mirror", "blanket", "helmet", "candle", "anchor", "puzzle",
           "kettle", "ladder", "pillow", "rocket", "marble", "guitar", "carpet", "wallet", "hammer", "bucket")
 PLACES = ("kitchen", "garden", "harbor", "library", "station", "market", "bakery", "forest", "museum", "castle")
-WORDS = ("apple", "river", "garden", "planet", "window", "silver", "dragon", "pencil", "forest", "castle", "rocket",
-         "violin", "marble", "harbor", "lantern", "meadow", "tiger", "cookie", "bridge", "summer", "candle", "wizard",
-         "pocket", "island", "mirror", "basket", "jungle", "copper", "turtle", "winter", "guitar", "falcon", "carpet",
-         "button", "orange", "canyon", "pillow", "rabbit", "helmet", "velvet")
-UNITS = (("km", "m", 1000), ("m", "cm", 100), ("kg", "g", 1000), ("hours", "minutes", 60),
-         ("minutes", "seconds", 60), ("liters", "milliliters", 1000))
 
 
 # ---------------------------------------------------------------- multiple choice
@@ -70,38 +66,10 @@ def last_word(rng: random.Random) -> dict:
 
 # ---------------------------------------------------------------- exact match
 
-def arithmetic(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    if rng.random() < 0.5:
-        return f"What is {a} + {b}? Answer with the number only.", str(a + b)
-    a, b = max(a, b), min(a, b)
-    return f"What is {a} - {b}? Answer with the number only.", str(a - b)
-
-
-def unit_conversion(rng: random.Random) -> tuple[str, str]:
-    big, small, factor = rng.choice(UNITS)
-    n = rng.randint(2, 40)
-    return f"Convert {n} {big} to {small}. Answer with the number only.", str(n * factor)
-
-
-def reverse_word(rng: random.Random) -> tuple[str, str]:
-    word = rng.choice(WORDS)
-    return f"Reverse the letters of the word '{word}'. Answer with the reversed word only.", word[::-1]
-
-
-def sort_numbers(rng: random.Random) -> tuple[str, str]:
-    numbers = rng.sample(range(1, 50), rng.randint(3, 5))
-    return (f"Sort these numbers in ascending order: {', '.join(map(str, numbers))}. Answer with the sorted list "
-            f"only.", ", ".join(map(str, sorted(numbers))))
-
-
-FAMILIES = (arithmetic, unit_conversion, reverse_word, sort_numbers)
-
-
 def instruction(rng: random.Random, index: int) -> dict:
-    family = FAMILIES[index % len(FAMILIES)]
-    prompt, answer = family(rng)
-    return {"prompt": prompt, "answer": answer, "family": family.__name__}
+    name = list(FAMILIES)[index % len(FAMILIES)]
+    prompt, answer = FAMILIES[name](rng)
+    return {"prompt": prompt, "answer": answer, "family": name}
 
 
 # ---------------------------------------------------------------- the splits

@@ -34,7 +34,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -107,8 +107,8 @@ def rank_share(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 @dataclass
 class Examples:
     """Both tokenised splits, concatenated (train first), with per-position split codes."""
-    dataset: object  # datasets.Dataset with every column
-    tokens: object  # the same rows, input_ids and labels only (cheaper to fetch)
+    dataset: Any  # datasets.Dataset with every column
+    tokens: Any  # the same rows, input_ids and labels only (cheaper to fetch)
     split_codes: np.ndarray
     indices: np.ndarray
     lengths: np.ndarray
@@ -116,13 +116,14 @@ class Examples:
 
     def rows(self, positions: np.ndarray) -> list[dict]:
         columns = self.tokens[positions.tolist()]
-        return [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
+        return [{"input_ids": ids, "labels": labels} for ids, labels in zip(columns["input_ids"], columns["labels"])]
 
 
 def load_examples(config: InferenceConfig, tokenizer) -> Examples:
     """The training split, rebuilt and tokenised exactly as data.load_data does for training."""
     import datasets
 
+    assert config.dataset_path is not None  # validate() refuses a config without it
     records = load_records(config.dataset_path, config.revision)
     if len(records) == 0:
         raise UserError(f"dataset_path {config.dataset_path}: no records")
@@ -261,6 +262,7 @@ def split_summary(table) -> dict[str, dict[str, float]]:
 def check_training_split(config: InferenceConfig) -> None:
     """Refuse, in one line, split settings other than those of the training run that wrote the model (its
     config.yaml in final/ or step_N/): the `split` column would then call training examples validation ones."""
+    assert config.model_name is not None  # validate() refuses a config without it
     found = training_run_config(config.model_name)
     if found is None:
         return
@@ -284,6 +286,7 @@ def progress_bar(total: int, backend):
 
 def run_inference(config: InferenceConfig) -> Optional[Path]:
     """Score every example on this process's share; the main process returns the merged Parquet's path."""
+    assert config.dataset_path is not None and config.model_name is not None  # validate() requires both
     backend = build_backend()  # torchrun's processes: nccl on the local GPU, gloo on CPU; none for one process
     try:
         torch.manual_seed(config.seed)

@@ -14,6 +14,7 @@ from gpt4all_training.backends.backend import Backend
 from gpt4all_training.backends.deepspeed import DeepSpeedBackend, deepspeed_config_source, fill_deepspeed_config
 from gpt4all_training.backends.fsdp import FsdpBackend, fsdp_requested, fsdp_settings
 from gpt4all_training.backends.xla import XlaBackend
+from gpt4all_training.config.schemas import TrainConfig
 
 MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -29,17 +30,16 @@ def deepspeed_requested() -> bool:
     return parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
 
 
-def build_accelerator(config=None):
+def build_accelerator(config: TrainConfig | None = None):
     """The Accelerator of a training run (precision, accumulation, collective timeout and the DeepSpeed config from
     `config`), or with `config` None of a run that only calls the model forward (inference): the model's own
     precision, accelerate's timeout, no DeepSpeed config to fill."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-    training = config is not None
-    deepspeed = training and deepspeed_requested()
+    deepspeed = config is not None and deepspeed_requested()
     process_group: dict[str, Any] = {}
-    if launched_world_size() > 1 and training and config.ddp_timeout_s:
+    if launched_world_size() > 1 and config is not None and config.ddp_timeout_s:
         # How long a rank waits in a collective for a dead or hung peer. accelerate drops a value equal to its
         # default (600 s), which gloo would replace with 30 min; a microsecond more keeps it.
         process_group["timeout"] = timedelta(seconds=config.ddp_timeout_s, microseconds=1)
@@ -52,14 +52,14 @@ def build_accelerator(config=None):
             # FSDP; make them one gloo group (FsdpBackend shards the model itself).
             os.environ["ACCELERATE_USE_CPU"] = "true"
     # DeepSpeed's engine owns accumulation; give accelerate the same count so the two never disagree.
-    accumulation = config.gradient_accumulation_steps if deepspeed else 1
+    accumulation = config.gradient_accumulation_steps if config is not None and deepspeed else 1
     handlers = [InitProcessGroupKwargs(**process_group)] if process_group else []
     # Inference loads its weights in its dtype and needs no autocast; None also leaves a precision set earlier in
     # this process alone.
-    mixed_precision = MIXED_PRECISION[config.dtype] if training else None
+    mixed_precision = MIXED_PRECISION[config.dtype] if config is not None else None
     accelerator = Accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers,
                               gradient_accumulation_steps=accumulation)
-    if training and accelerator.distributed_type == DistributedType.DEEPSPEED:
+    if config is not None and accelerator.distributed_type == DistributedType.DEEPSPEED:
         # DeepSpeed calls collectives that torch deprecates, and the warnings registry is reset often enough that
         # each would print on every step (hundreds of lines a run); nothing a user can act on.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -79,7 +79,7 @@ def backend_for(accelerator) -> Backend:
     return Backend(accelerator)
 
 
-def build_backend(config=None) -> Backend:
+def build_backend(config: TrainConfig | None = None) -> Backend:
     """The run's backend: build_accelerator(config), then the Backend that fits it. FSDP2 is chosen by the launch,
     not the Accelerator, which enables FSDP only with CUDA."""
     if config is not None and fsdp_requested():

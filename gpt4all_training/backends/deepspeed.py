@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from gpt4all_training.backends.backend import Backend, rebuilt_copy
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 
 AUTO = "auto"
@@ -32,7 +33,7 @@ def deepspeed_config_source() -> str:
     return path if path != "none" else "the DeepSpeed settings of accelerate launch"
 
 
-def deepspeed_values(config, world_size: int) -> dict[str, Any]:
+def deepspeed_values(config: TrainConfig, world_size: int) -> dict[str, Any]:
     """What the training config decides in a DeepSpeed config, by dotted key."""
     return {
         "train_micro_batch_size_per_gpu": config.batch_size,
@@ -52,7 +53,8 @@ def _node(tree: dict[str, Any], dotted: str) -> tuple[dict[str, Any], str]:
     return tree, leaf
 
 
-def fill_deepspeed_config(ds_config: dict[str, Any], config, world_size: int, source: str) -> dict[str, Any]:
+def fill_deepspeed_config(ds_config: dict[str, Any], config: TrainConfig, world_size: int,
+                          source: str) -> dict[str, Any]:
     """Fill the "auto" (or missing) values of `ds_config` in place from the training config; refuse contradictions."""
     reasons = {"optimizer": "the optimizer is AdamW built from lr, weight_decay and the parameter groups",
                "scheduler": "the schedule is warmup then cosine to min_lr, from the training config"}

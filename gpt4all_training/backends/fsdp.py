@@ -24,11 +24,12 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, cast
 
 import torch
 
 from gpt4all_training.backends.backend import Backend, rebuilt_copy
+from gpt4all_training.config.blocks import ModelSource
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import load_tensors, save_tensors
 
@@ -51,7 +52,7 @@ class FsdpSettings:
     activation_checkpointing: bool
 
 
-def fsdp_settings(config) -> FsdpSettings:
+def fsdp_settings(config: ModelSource) -> FsdpSettings:
     """The FSDP settings of this launch; a setting this backend cannot honour is a one-line UserError."""
     from accelerate.utils import parse_flag_from_env
 
@@ -162,9 +163,10 @@ class FsdpBackend(Backend):
                    f"{self.world_size} processes" + "".join(f"; {note}" for note in notes))
         return model, optimizer
 
-    def micro_batch(self, model, last: bool) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def micro_batch(self, model, last: bool) -> Iterator[None]:
         """Every micro-batch reduce-scatters its gradients into the shards (nothing to skip, unlike DDP)."""
-        return contextlib.nullcontext()
+        yield
 
     def clip_grad_norm(self, model, max_norm: float | None) -> float:
         """The global gradient norm over every shard (one all-reduce), then clipped to `max_norm`."""
@@ -191,7 +193,8 @@ class FsdpBackend(Backend):
         """The whole state dict on rank 0, gathered shard by shard to the CPU (empty elsewhere). A collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(dict[str, torch.Tensor], state)  # a model's state dict: tensors only
 
     def save_engine_state(self, model, optimizer, folder: Path) -> None:
         """This rank's shards of the trainable weights and of the optimizer state, as plain tensors. A LoRA run's

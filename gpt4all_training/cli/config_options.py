@@ -14,6 +14,7 @@ import typing
 
 import yaml
 
+from gpt4all_training.config.blocks import Block
 from gpt4all_training.config.fields import choices
 
 DOC_INDENT = " " * 6
@@ -30,7 +31,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, config_help
 
 
 @functools.cache  # the same text for a class; tests that run many commands in one process build it once
-def config_keys_help(cls: type) -> str:
+def config_keys_help(cls: type[Block]) -> str:
     """Every key of the config `cls`, grouped by block: `key: default  [choices]`, then its doc, indented."""
     hints = typing.get_type_hints(cls)
     lines = ["config keys (in the --config YAML or as key=value; after the colon: the default):"]
@@ -49,7 +50,7 @@ def shown_default(f: dataclasses.Field) -> str:
     """The default as it would be written in YAML; `(required)` or `(unset)` when there is none."""
     if f.metadata.get("required"):
         return "(required)"
-    value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     if value is None:
         return "(unset)"
     text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()

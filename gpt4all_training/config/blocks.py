@@ -16,7 +16,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple, Optional, TypeVar
 
 from gpt4all_training.config.fields import doc, shown, typed
 from gpt4all_training.errors import UserError
@@ -35,8 +35,10 @@ class Check(NamedTuple):
     got: bool = True
 
 
+@dataclass
 class Block:
-    """Base of the blocks and the configs: the field groups for `--help`, and `validate`."""
+    """Base of the blocks and the configs: the field groups for `--help`, and `validate`. A dataclass without
+    fields, so that a type checker knows every block is one."""
 
     def checks(self) -> list[Check]:
         """This block's own checks (a subclass defines its own; it is never inherited, see `declared_checks`)."""
@@ -60,6 +62,9 @@ class Block:
         return dataclasses.asdict(self)
 
 
+AnyBlock = TypeVar("AnyBlock", bound=Block)
+
+
 def field_order_blocks(cls: type) -> list[type]:
     """The blocks of `cls` (itself last), in the order a dataclass lays out their fields: its bases' MRO reversed."""
     return [c for c in reversed(cls.__mro__) if issubclass(c, Block) and c is not Block]
@@ -75,7 +80,7 @@ def declared_checks(config: Block) -> list[Check]:
     return out
 
 
-def validate(config: Block) -> Block:
+def validate(config: AnyBlock) -> AnyBlock:
     """Required keys, every field's type and the ranges, as one UserError line naming the key. Returns the config,
     its values typed (a config built in Python is checked as a loaded one is)."""
     hints = typing.get_type_hints(type(config))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.blocks import Block, validate
 from gpt4all_training.config.fields import shown, typed
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
@@ -134,5 +134,5 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
     return check(config) if check else config
 
 
-def save_config(config: Any, path: str | Path) -> None:
-    atomic_write(path, yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+def save_config(config: Block, path: str | Path) -> None:
+    atomic_write(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

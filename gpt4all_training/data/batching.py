@@ -112,10 +112,10 @@ def collate(examples: Sequence[dict[str, Any]], pad_id: int, padding_side: Liter
         n = len(example["input_ids"])
         columns = slice(0, n) if padding_side == "right" else slice(width - n, width)
         input_ids[i, columns] = torch.as_tensor(example["input_ids"])
-        if labelled:
+        if labels is not None:
             labels[i, columns] = torch.as_tensor(example["labels"])
         attention_mask[i, columns] = 1
-    if not labelled:
+    if labels is None:
         return {"input_ids": input_ids, "attention_mask": attention_mask}
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
@@ -131,7 +131,7 @@ def collate_rows(rows: Sequence[Sequence[int]] | np.ndarray) -> dict[str, torch.
     return collate([{"input_ids": row, "labels": row_labels(row)} for row in rows], pad_id=0)
 
 
-def collate_packed(rows: list[dict[str, Any]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+def collate_packed(rows: Sequence[dict[str, Any]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
     """A packed micro-batch: input_ids, labels, position_ids and sequence_ids, each (rows, width).
 
     sequence_ids numbers the examples of a row from 1 and marks padding 0; it is bookkeeping (real-token counts,
@@ -163,7 +163,7 @@ def fetch_batch(dataset, indices: list[int], pad_id: int, packing_length: Option
                 ) -> dict[str, torch.Tensor]:
     """Rows `indices` of a tokenised dataset as a micro-batch: padded, or packed into rows of `packing_length`."""
     columns = dataset.select_columns(["input_ids", "labels"])[indices]
-    examples = [{"input_ids": i, "labels": l} for i, l in zip(columns["input_ids"], columns["labels"])]
+    examples = [{"input_ids": ids, "labels": labels} for ids, labels in zip(columns["input_ids"], columns["labels"])]
     return collate(examples, pad_id, packing_length=packing_length)
 
 

@@ -42,7 +42,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1000, min_freque
                         split_indentation: bool = False) -> PreTrainedTokenizerFast:
     """Train a GPT-2-style byte-level BPE on `texts`. The first special token is EOS."""
     tokenizer = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level: pre_tokenizers.PreTokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     if split_indentation:
         byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(INDENTATION, behavior="isolated"), byte_level])
     tokenizer.pre_tokenizer = byte_level
@@ -118,7 +118,8 @@ class TokenizerStats:
                              + (f" (not: {', '.join(missing)})" if missing else ""))
         if self.indentation is not None:
             lines.append("indentation runs that are one token: "
-                         + ", ".join(f"{name} {'yes' if single else 'no'}" for name, single in self.indentation.items()))
+                         + ", ".join(f"{name} {'yes' if single else 'no'}"
+                                     for name, single in self.indentation.items()))
         return "\n".join(lines)
 
 
@@ -137,7 +138,8 @@ def tokenizer_stats(tokenizer, texts: list[str], code_language: Optional[str] = 
         keywords = CODE_KEYWORDS[code_language]
         stats.keywords_line_start = {k: single_token(tokenizer, k, ("x\n", " y")) for k in keywords}
         stats.keywords_after_space = {k: single_token(tokenizer, " " + k, ("x", " y")) for k in keywords}
-        stats.indentation = {name: single_token(tokenizer, run, ("x:\n", "y")) for name, run in INDENTATION_RUNS.items()}
+        stats.indentation = {name: single_token(tokenizer, run, ("x:\n", "y"))
+                             for name, run in INDENTATION_RUNS.items()}
     return stats
 
 
@@ -145,6 +147,7 @@ def tokenizer_stats(tokenizer, texts: list[str], code_language: Optional[str] = 
 
 def build_tokenizer(config: TokenizerConfig) -> tuple[PreTrainedTokenizerFast, Optional[TokenizerStats]]:
     """Train on the configured stream (held-out records excluded) and measure on the held-out records."""
+    assert config.dataset_path is not None  # validate() refuses a config without it
     held_out = HeldOut(config.heldout_size)
     texts = held_out.training_texts(iter_texts(config.dataset_path, config.revision, config.text_field,
                                                config.split))

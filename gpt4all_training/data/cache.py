@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gpt4all_training.config.blocks import Examples, PromptFormat
+from gpt4all_training.config.blocks import Checkpoints, Examples, PromptFormat
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.sft import DataStats
 from gpt4all_training.files import marker_problem, new_folder
 
@@ -47,7 +48,12 @@ PROBE = ["Hello world\n", " a b", "<|endoftext|><|im_start|>"]
 def tokenizer_fingerprint(tokenizer) -> str:
     """SHA-256 of what decides how `tokenizer` encodes text and renders prompts."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    model = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    if backend is not None:
+        # Without the padding and truncation the last call left in the backend: they decide no stored token.
+        model = json.dumps({key: value for key, value in json.loads(backend.to_str()).items()
+                            if key not in ("padding", "truncation")}, sort_keys=True)
+    else:
+        model = json.dumps(sorted(tokenizer.get_vocab().items()))
     described = {"class": type(tokenizer).__name__, "model": model, "chat_template": tokenizer.chat_template,
                  "special_tokens": tokenizer.special_tokens_map,
                  "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
@@ -55,7 +61,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def data_settings(config) -> dict[str, Any]:
+def data_settings(config: TrainConfig) -> dict[str, Any]:
     """The config's fields that decide the tokens (see the module docstring)."""
     fields = ["objective", *(f.name for block in (Examples, PromptFormat) for f in dataclasses.fields(block))]
     return {name: getattr(config, name) for name in fields if name not in NOT_DECIDING}
@@ -73,18 +79,18 @@ def code_version() -> str:
     return digest.hexdigest()
 
 
-def cache_key(config, tokenizer, records_digest: str) -> str:
+def cache_key(config: TrainConfig, tokenizer, records_digest: str) -> str:
     parts = {"records": records_digest, "tokenizer": tokenizer_fingerprint(tokenizer),
              "settings": data_settings(config), "code": code_version()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def cache_entry(config, tokenizer, records_digest: str) -> Path:
+def cache_entry(config: TrainConfig, tokenizer, records_digest: str) -> Path:
     """The folder of the entry these inputs would have."""
     return cache_root(config) / cache_key(config, tokenizer, records_digest)
 
 
-def cache_root(config) -> Path:
+def cache_root(config: Checkpoints) -> Path:
     """cache_dir, or output_dir/tokenized: a restart or resume of the run finds it without any setting."""
     return Path(config.cache_dir).expanduser() if config.cache_dir else Path(config.output_dir) / "tokenized"
 
@@ -136,7 +142,7 @@ def load_arrays(folder: Path) -> dict[str, np.ndarray]:
     return {path.stem: np.load(path, allow_pickle=False) for path in sorted(folder.glob("*.npy"))}
 
 
-def cached_splits(config, tokenizer, records_digest: str, build: Callable[[], tuple[tuple, tuple]],
+def cached_splits(config: TrainConfig, tokenizer, records_digest: str, build: Callable[[], tuple[tuple, tuple]],
                   log: Callable[[str], Any]) -> tuple[tuple, tuple]:
     """((train, val), (train_stats, val_stats)): from the cache entry of these inputs, or `build()` and saved as one.
     A cache that cannot be written costs the next start a tokenization, never this run."""

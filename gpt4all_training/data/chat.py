@@ -122,7 +122,15 @@ def with_reasoning(message: dict[str, Any], reasoning: str) -> dict[str, Any]:
     if isinstance(message.get("reasoning_content"), str):
         return {**message, "reasoning_content": reasoning}
     block = THINK_BLOCK.match(message["content"])
+    assert block is not None  # reasoning_of found the block
     return {**message, "content": message["content"][:block.start(1)] + reasoning + message["content"][block.end(1):]}
+
+
+def with_marked_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """The assistant turn with its reasoning `marked`, to see where the template writes it."""
+    reasoning = reasoning_of(message)
+    assert reasoning is not None  # asked only of a turn with reasoning
+    return with_reasoning(message, marked(reasoning))
 
 
 def marked(text: str) -> str:
@@ -195,15 +203,15 @@ class ChatEncoder:
                         and isinstance(m.get("reasoning_content"), str) == field]
             if thinking:
                 k = thinking[-1]
-                changed = with_reasoning(messages[k], marked(reasoning_of(messages[k])))
+                changed = with_marked_reasoning(messages[k])
                 parts.append(("reasoning", messages[:k + 1], tools, [*messages[:k], changed], tools))
         for role in dict.fromkeys(m["role"] for m in messages):
             if role not in ("user", "assistant"):
                 parts.append((role, messages, tools, [{**m, "content": "~" + (m.get("content") or "")}
                                                       if m["role"] == role else m for m in messages], tools))
-        for part, original, offered, changed, changed_tools in parts:
+        for part, original, offered, edited, edited_tools in parts:
             text = self.render(original, offered)
-            if text is not None and self.render(changed, changed_tools) == text:
+            if text is not None and self.render(edited, edited_tools) == text:
                 return part
         return None
 
@@ -247,7 +255,7 @@ class ChatEncoder:
             for k in (k for k, flag in enumerate(flags) if flag):
                 requests += [(messages[:k], offered, True), (messages[:k + 1], offered, False)]
                 if self.masks_reasoning(messages[k]):
-                    changed = with_reasoning(messages[k], marked(reasoning_of(messages[k])))
+                    changed = with_marked_reasoning(messages[k])
                     requests.append(([*messages[:k], changed, *messages[k + 1:]], offered, False))
         encoded = iter(self.encode([m for m, _, _ in requests], [p for _, _, p in requests],
                                    [t for _, t, _ in requests]))
@@ -261,7 +269,8 @@ class ChatEncoder:
                 continue
             spans: list[tuple[int, int]] = []
             reason = ""
-            for k, before, through, changed in turns:
+            for k, before, through, changed_ids in turns:
+                assert before is not None and through is not None  # checked above
                 end = self.turn_end(full, before, through)
                 if end is None and full[:len(before)] != before and not self.context_rewritten(messages, offered, k):
                     end = "prefix_mismatch"
@@ -269,7 +278,7 @@ class ChatEncoder:
                     reason = end
                     break
                 if end is not None:
-                    spans += reasoning_masked((len(before), end), full, changed)
+                    spans += reasoning_masked((len(before), end), full, changed_ids)
             results.append(reason or (full, spans))
         return results
 
@@ -372,7 +381,9 @@ def unrendered_conversations(tokenizer, records) -> tuple[int, Optional[str]]:
     """(how many of `records`, (where, record) pairs, are conversations; the refusal for those the template writes
     only in part, or None). What `check` reads the whole dataset with before anything is tokenized."""
     encoder = ChatEncoder(tokenizer)
-    count, found, first = 0, Counter(), {}
+    count = 0
+    found: Counter[str] = Counter()
+    first: dict[str, str] = {}
     for where, record in records:
         if record.get("messages") is None:
             continue
@@ -435,11 +446,13 @@ def encode_for_generation(tokenizer, conversations: list[Messages], tools: list[
     them)."""
     encoded = ChatEncoder(tokenizer).encode([template_messages(m) for m in conversations],
                                             [True] * len(conversations), tools)
+    out = []
     for number, ids in enumerate(encoded, 1):
         if ids is None:
             raise UserError(f"chat_template: it refuses conversation {number} (roles it cannot render, such as two "
                             f"user turns in a row); give conversations whose roles it accepts")
-    return encoded
+        out.append(ids)
+    return out
 
 
 def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, train_turns: str,
@@ -469,10 +482,11 @@ def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, 
                                      tools=[t for _, _, t in usable]))
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_trained", "length", "truncated_prompt",
                                             "truncated_response", "drop_reason")}
-    for item in parsed:
-        example = item if isinstance(item, str) else next(examples)
+    for entry in parsed:
+        example = entry if isinstance(entry, str) else next(examples)
         if isinstance(example, str):
-            example, reason = ConversationExample([], [], 0, False), example
+            reason = example
+            example = ConversationExample([], [], 0, False)
         else:
             reason = "" if example.n_trained else "no_trained_tokens"
         out["input_ids"].append(example.input_ids)

@@ -166,7 +166,7 @@ def parse_record(obj: dict[str, Any], default_source: str, oasst: str = "paths")
     """One input record -> records or Drops (at least one of either). `oasst` is how a tree is read: "paths",
     "best" (conversations), "pairs" (prompt/response) or "preferences" (pairs of ranked replies)."""
     try:
-        source = obj.get("source") if isinstance(obj.get("source"), str) else default_source
+        source = obj["source"] if isinstance(obj.get("source"), str) else default_source
         is_tree = "message_tree_id" in obj or isinstance(obj.get("prompt"), dict) and "replies" in obj["prompt"]
         if is_tree and oasst == OASST_PREFERENCES:
             yield from map(_kept_or_dropped, oasst_preferences(obj))
@@ -314,7 +314,7 @@ def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], o
             for item in items:
                 report.read += 1
                 reason = item.reason if isinstance(item, Drop) else check_record(item, filters, seen)
-                if reason:
+                if reason or isinstance(item, Drop):  # a Drop always has its reason
                     report.dropped[reason] += 1
                     continue
                 out.write(record_line(item))
@@ -370,7 +370,7 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
     report: dict[str, Any] = {"files": {}, "filters": vars(filters), "oasst": oasst}
     for out_path, path in outputs.items():
         report["files"][str(path)] = clean_file(path, out_path, filters, seen, oasst).to_dict()
-    totals = Counter()
+    totals: Counter[str] = Counter()
     for entry in report["files"].values():
         totals.update({key: entry[key] for key in ("lines", "read", "kept")})
         totals.update({f"dropped:{k}": v for k, v in entry["dropped"].items()})

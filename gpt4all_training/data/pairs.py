@@ -19,8 +19,9 @@ from typing import Any, Iterator
 import torch
 
 from gpt4all_training.batch import IGNORE
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.batching import collate
-from gpt4all_training.data.chat import (ChatEncoder, ConversationExample, conversation_messages,
+from gpt4all_training.data.chat import (ChatEncoder, ConversationExample, Messages, conversation_messages,
                                         require_trainable_chat)
 from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.preferences import PAIR_FIELDS, pair_problem, record_problem
@@ -126,14 +127,15 @@ def tokenize_text_pairs(batch: dict[str, list], tokenizer, max_length: int, temp
     prompt_ids = encode_prompts([p if is_text(p) else "" for p in batch["prompt"]], tokenizer, template)
     chosen_ids, rejected_ids = (encode_responses(batch[name], tokenizer) for name in ("chosen", "rejected"))
     keep_head = keep_head_for(tokenizer, template)
-    examples = []
+    examples: list[tuple[Any, Any, bool, bool, str]] = []
     for prompt, chosen, rejected, p_ids, c_ids, r_ids in zip(batch["prompt"], batch["chosen"], batch["rejected"],
                                                              prompt_ids, chosen_ids, rejected_ids):
         room = max(len(c_ids), len(r_ids))
-        pair = [build_example(p_ids, ids, tokenizer.eos_token_id, max_length, keep_head, room)
-                for ids in (c_ids, r_ids)]
-        reason = pair_problem(prompt, chosen, rejected) or rival_problem(*pair)
-        examples.append((*pair, pair[0].truncated_prompt, any(e.truncated_response for e in pair), reason))
+        first, second = (build_example(p_ids, ids, tokenizer.eos_token_id, max_length, keep_head, room)
+                         for ids in (c_ids, r_ids))
+        reason = pair_problem(prompt, chosen, rejected) or rival_problem(first, second)
+        examples.append((first, second, first.truncated_prompt,
+                         first.truncated_response or second.truncated_response, reason))
     return pair_columns(examples)
 
 
@@ -142,35 +144,39 @@ def tokenize_message_pairs(batch: dict[str, list], tokenizer, max_length: int, t
     answer's assistant turns trained (`train_turns` "last": the answer's last one), as data/chat.py trains them."""
     encoder = ChatEncoder(tokenizer)
     results: list[Any] = []
-    conversations, flags = [], []
+    conversations: list[Messages] = []
+    flags: list[list[bool]] = []
     for prompt, chosen, rejected in zip(batch["prompt"], batch["chosen"], batch["rejected"]):
         parsed = [conversation_messages({"messages": [*prompt, *answer]}) for answer in (chosen, rejected)]
+        answers = [p for p in parsed if not isinstance(p, str)]
         problem = pair_problem(prompt, chosen, rejected) or next((p for p in parsed if isinstance(p, str)), None)
         results.append(problem or len(conversations))
         if not problem:
-            for messages, trained in parsed:
+            for messages, trained in answers:
                 conversations.append(messages)
                 flags.append(answer_flags(trained, len(prompt), train_turns))
     labelled = encoder.examples(conversations, flags, max_length)
     # Both answers must lose the same rounds, or their prompts would differ: the one that lost fewer loses more.
     for i in range(0, len(labelled), 2):
-        pair = labelled[i:i + 2]
-        if any(isinstance(e, str) for e in pair) or pair[0].dropped_rounds == pair[1].dropped_rounds:
+        first, second = labelled[i:i + 2]
+        if isinstance(first, str) or isinstance(second, str) or first.dropped_rounds == second.dropped_rounds:
             continue
-        fewer = i + int(pair[1].dropped_rounds < pair[0].dropped_rounds)
-        rounds = max(e.dropped_rounds for e in pair)
+        fewer = i + int(second.dropped_rounds < first.dropped_rounds)
+        rounds = max(first.dropped_rounds, second.dropped_rounds)
         [labelled[fewer]] = encoder.examples([conversations[fewer]], [flags[fewer]], max_length, [rounds])
-    examples = []
+    examples: list[tuple[Any, Any, bool, bool, str]] = []
     for result in results:
         if isinstance(result, str):
             examples.append((EMPTY, EMPTY, False, False, result))
             continue
-        pair = labelled[result:result + 2]
-        reason = next((p for p in pair if isinstance(p, str)), None)
-        if reason:
-            examples.append((EMPTY, EMPTY, False, False, reason))
-            continue
-        examples.append((*pair, pair[0].dropped_rounds > 0, any(e.cut_turn for e in pair), rival_problem(*pair)))
+        first, second = labelled[result:result + 2]
+        if isinstance(first, str):  # a drop reason
+            examples.append((EMPTY, EMPTY, False, False, first))
+        elif isinstance(second, str):
+            examples.append((EMPTY, EMPTY, False, False, second))
+        else:
+            examples.append((first, second, first.dropped_rounds > 0, first.cut_turn or second.cut_turn,
+                             rival_problem(first, second)))
     return pair_columns(examples)
 
 
@@ -202,7 +208,7 @@ def tokenize_pairs(ds, tokenizer, max_length: int, template: str, num_proc: int 
                   desc="tokenizing preference pairs")
 
 
-def load_pair_data(config, tokenizer, records) -> tuple[tuple, tuple[DataStats, DataStats]]:
+def load_pair_data(config: TrainConfig, tokenizer, records) -> tuple[tuple, tuple[DataStats, DataStats]]:
     """Train and validation pairs, tokenized, with the statistics of each, split as sft splits its records."""
     train_raw, val_raw = split_records(records, config.val_fraction, config.seed)
     template = resolve_template(config.prompt_template, tokenizer)
@@ -215,7 +221,7 @@ def load_pair_data(config, tokenizer, records) -> tuple[tuple, tuple[DataStats, 
         stats.append(split_stats)
     if len(splits[0]) == 0:
         raise UserError(f"dataset_path {config.dataset_path}: no trainable pairs remain ({stats[0].dropped})")
-    return tuple(splits), tuple(stats)
+    return (splits[0], splits[1]), (stats[0], stats[1])
 
 
 # ---------------------------------------------------------------- micro-batches

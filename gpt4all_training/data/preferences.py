@@ -103,6 +103,7 @@ def preference_record(obj: dict[str, Any], source: str) -> dict[str, Any] | str:
             return f"missing_{name}"
         if not isinstance(value, (str, list)):
             return f"non_string_{name}"
+    pair: tuple[Any, Any, Any] | str
     if isinstance(chosen, str) and isinstance(rejected, str) and isinstance(prompt, str):
         pair = (prompt, chosen, rejected)
     else:

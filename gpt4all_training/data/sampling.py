@@ -65,8 +65,11 @@ class StepSampler:
     @property
     def steps_per_epoch(self) -> int:
         """Steps per epoch. A stream's passes are unknown in advance: there, the run (max_steps) counts as one."""
+        if self.store is not None and self.store.streaming:
+            assert self.max_steps is not None  # __post_init__ refused a stream without it
+            return self.max_steps
         if self.store is not None:
-            return self.max_steps if self.store.streaming else self.store.stats.steps
+            return self.store.stats.steps
         steps = self.n_examples // self.examples_per_step
         if steps == 0:
             raise UserError(f"batch_size: one optimiser step needs {self.examples_per_step} examples "
@@ -80,7 +83,8 @@ class StepSampler:
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         order = torch.randperm(self.n_examples, generator=generator)
         if self.lengths is not None:
-            order = group_by_length(order, self.lengths, self.examples_per_step, self.steps_per_epoch, generator)
+            order = group_by_length(order, torch.as_tensor(self.lengths), self.examples_per_step, self.steps_per_epoch,
+                                    generator)
         self._orders.clear()  # one epoch at a time is all the loop asks for
         self._orders[epoch] = order
         return order

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from gpt4all_training.batch import IGNORE
+from gpt4all_training.config.blocks import Examples
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.chat import UNRENDERED, require_trainable_chat, tokenized_conversations, unrendered_refusal
 from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
@@ -164,7 +166,7 @@ def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: in
                   desc="tokenizing")
 
 
-def effective_num_proc(config, n_rows: int) -> int | None:
+def effective_num_proc(config: Examples, n_rows: int) -> int | None:
     if config.streaming or n_rows < 2000:
         return None  # worker start-up costs more than it saves on small data
     return max(1, min(config.num_proc, os.cpu_count() or 1))
@@ -228,9 +230,10 @@ def refuse_unrendered(splits, dataset_path: str) -> None:
         raise UserError(unrendered_refusal(part, count, record_location(dataset_path, first[part])))
 
 
-def load_data(config, tokenizer, records=None):
+def load_data(config: TrainConfig, tokenizer, records=None):
     """Train and validation splits, tokenised, with the statistics of each: ((train, val), (train_stats, val_stats)).
     `records` are load_records' for the config's dataset, when the caller has read them already."""
+    assert config.dataset_path is not None  # validate() refuses a config without it
     records = load_records(config.dataset_path, config.revision) if records is None else records
     if len(records) == 0:
         raise UserError(f"dataset_path {config.dataset_path}: no records")
@@ -258,7 +261,9 @@ TRAINED_COLOUR = ("\x1b[32m", "\x1b[0m")
 
 def trained_spans(row: dict[str, Any], tokenizer) -> list[tuple[bool, str]]:
     """The example's text in runs of trained and untrained tokens, in order: (trained, text) per run."""
-    parts, current, current_masked = [], [], None
+    parts: list[tuple[bool, str]] = []
+    current: list[int] = []
+    current_masked = None
     for token, label in zip(row["input_ids"], row["labels"]):
         masked = label == IGNORE
         if current and masked != current_masked:

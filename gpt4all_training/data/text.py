@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 import numpy as np
 import torch
 
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.batching import row_labels
 from gpt4all_training.data.records import iter_texts, load_table, local_text_files, text_column
 from gpt4all_training.data.sampling import epoch_seed
@@ -391,8 +392,9 @@ def _tokenize_records(batch, indices, tokenizer, column: str, val_every: int) ->
     return {"input_ids": tokenize(tokenizer, texts), "held_out": [held_out(i, val_every) for i in indices]}
 
 
-def tokenized_records(config, tokenizer, val_every: int):
+def tokenized_records(config: TrainConfig, tokenizer, val_every: int):
     """`streaming: false`: every record tokenised by datasets.map (cached, parallel), in stored order."""
+    assert config.dataset_path is not None  # validate() refuses a config without it
     files = local_text_files(config.dataset_path)
     ds = load_table(config.dataset_path, config.revision, None if files is None else [str(f) for f in files],
                     "fix or remove the line")
@@ -424,7 +426,7 @@ def validation_dataset(rows: list[list[int]]):
 MAX_VALIDATION_ROWS = 1024
 
 
-def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print, *, world_size: int):
+def load_pretrain_data(config: TrainConfig, tokenizer, log: Callable[[str], Any] = print, *, world_size: int):
     """Same shape as sft.load_data: ((train rows, validation dataset), (train stats, validation stats)).
     `world_size` is the number of processes training runs on."""
     val_every = validation_stride(config.val_fraction)
@@ -434,9 +436,13 @@ def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print, *, 
     if eos is None:
         raise UserError("tokenizer_name: the tokenizer has no EOS token to join texts with; use one that has")
     val_stats = PretrainStats()
+    store: StreamedRows | MaterializedRows
     if config.streaming:
+        dataset_path = config.dataset_path
+        assert dataset_path is not None  # validate() refuses a config without it
+
         def numbered_texts(start: int = 0) -> Iterator[tuple[int, str]]:
-            return zip(count(start), iter_texts(config.dataset_path, config.revision, config.text_field, start=start))
+            return zip(count(start), iter_texts(dataset_path, config.revision, config.text_field, start=start))
 
         store = StreamedRows(numbered_texts, tokenizer, config.max_length, config.seed, config.shuffle_buffer,
                              val_every, log)
@@ -446,7 +452,8 @@ def load_pretrain_data(config, tokenizer, log: Callable[[str], Any] = print, *, 
         train_stats = store.stats
     else:
         records = tokenized_records(config, tokenizer, val_every)
-        train_lists, held_lists = [], []
+        train_lists: list[list[int]] = []
+        held_lists: list[list[int]] = []
         for batch in records.iter(batch_size=4096):
             for ids, is_held in zip(batch["input_ids"], batch["held_out"]):
                 (held_lists if is_held else train_lists).append(ids)

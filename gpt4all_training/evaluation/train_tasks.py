@@ -45,8 +45,7 @@ def evaluate_final(config: TrainConfig, step: int, log: Callable[[str], Any] = p
     output_dir = Path(config.output_dir)
     results = evaluate(str(output_dir / "final"), settings_of(config), KEYS)
     path = write_results(results, output_dir / "eval")
-    tracker = Tracker(output_dir, config.report_to, config.to_dict(), enabled=True, resume_step=step,
-                      project=config.wandb_project_name, entity=config.wandb_entity)
+    tracker = Tracker(output_dir, config, config.to_dict(), enabled=True, resume_step=step)
     with contextlib.closing(tracker):
         tracker.log(tracker_metrics(results), step)
     log(results_table(results))
@@ -80,7 +79,7 @@ class TaskEvaluator:
         self.every, self.total_steps, self.log = config.eval_tasks_every, total_steps, log
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0 and step < self.total_steps
+        return self.every is not None and step % self.every == 0 and step < self.total_steps
 
     def run(self, model, step: int) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -23,6 +23,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def convert(job: dict) -> None:
@@ -38,7 +39,7 @@ def convert(job: dict) -> None:
     except NotImplementedError:
         fail(f"llama.cpp's converter does not support the architecture {architecture}")
 
-    class Converter(model_class):  # the converter's own class, with our additions
+    class Converter(model_class):  # type: ignore[valid-type,misc]  # the converter's own class, with our additions
         model_arch = model_class.model_arch
 
         def __init__(self, *args, **kwargs):
@@ -77,7 +78,7 @@ def convert(job: dict) -> None:
                  f"(copy the base model's tokenizer.model into the folder you export)")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 

@@ -40,10 +40,14 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.export import llama_cpp
 from gpt4all_training.export.template import SAMPLING, template_end_of_turn
+
+if TYPE_CHECKING:  # transformers loads in the functions that need it, not on import
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ GPT2_PRE_TOKENIZER = {"type": "ByteLevel", "add_prefix_space": False, "use_regex
 SMOLLM_PRE_TOKENIZER = [{"type": "Digits", "individual_digits": True}, GPT2_PRE_TOKENIZER]
 
 
-def check_architecture(config, dtype: str) -> None:
+def check_architecture(config: PretrainedConfig, dtype: str) -> None:
     """Refuse, in one line that says what can be written, a model or type that no tool here writes."""
     model_type = getattr(config, "model_type", None)
     if model_type == "gptj":
@@ -124,7 +128,8 @@ def pre_tokenizer_name(tokenizer) -> str | None:
 
 
 def _pre_tokenizer_core(step: dict) -> dict:
-    keys = {"ByteLevel": ("add_prefix_space", "use_regex"), "Digits": ("individual_digits",)}.get(step.get("type"), ())
+    kinds = {"ByteLevel": ("add_prefix_space", "use_regex"), "Digits": ("individual_digits",)}
+    keys = kinds.get(step.get("type", ""), ())
     return {"type": step.get("type"), **{key: step.get(key) for key in keys}} if keys else step
 
 
@@ -156,8 +161,9 @@ def plan(folder: Path, tokenizer, path: Path, dtype: str, name: str) -> Plan:
     job = llama_cpp.ConvertJob(folder, converted, gguf_type.converter, gguf_name(name),
                                pre_tokenizer_name(tokenizer), template_end_of_turn(tokenizer),
                                file_metadata())
-    file_type = int(gguf.LlamaFileType[f"MOSTLY_{gguf_type.file_name}"]) if gguf_type.quantize else None
-    return Plan(job, (converted, path, file_type) if gguf_type.quantize else None)
+    quantize = ((converted, path, int(gguf.LlamaFileType[f"MOSTLY_{gguf_type.file_name}"])) if gguf_type.quantize
+                else None)
+    return Plan(job, quantize)
 
 
 def sentencepiece_model(tokenizer, sources: Sequence[str | None] = ()) -> Path | None:
@@ -169,6 +175,7 @@ def sentencepiece_model(tokenizer, sources: Sequence[str | None] = ()) -> Path |
     for source in (getattr(tokenizer, "name_or_path", None), *sources):
         if not source:
             continue
+        candidate: Path | None
         if Path(source).is_dir():
             candidate = Path(source) / "tokenizer.model"
         elif Path(source).exists() or source.count("/") != 1:  # a file (a GGUF base), or not a Hub id

@@ -273,6 +273,7 @@ def load_source(source: str, base: str | None = None) -> ExportSource:
         model, base_name = load_model(str(path), dtype=torch.float32), str(path)
     elif has_weights(model_dir) and is_adapter_folder(str(model_dir)):
         base_name = base_name or default_base(model_dir, run.config)
+        assert base_name is not None  # an adapter folder names its base
         model = merge_adapter(base_name, model_dir)
     elif has_weights(model_dir):
         model = load_model(str(model_dir), dtype=torch.float32)
@@ -414,7 +415,8 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
         raise UserError(f"--dtype {dtype}: --format gguf takes one of {', '.join(TYPES)}")
     out = Path(to)
     check_output_folder(out)  # before the slow load
-    config = local_config(Path(resolved_name(source)), base)  # a broken or foreign config.json: one line, before the slow load
+    # A broken or foreign config.json: one line, before the slow load.
+    config = local_config(Path(resolved_name(source)), base)
     if fmt == "gguf" and config is not None:
         check_architecture(config, dtype)  # refuse before loading weights
     loaded = load_source(source, base)

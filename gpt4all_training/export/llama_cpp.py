@@ -195,7 +195,7 @@ class Reader:
 
     _loaded: Reader | None = None
 
-    def __init__(self):
+    def __init__(self) -> None:
         import xllamacpp
 
         (path,) = Path(xllamacpp.__file__).parent.glob("xllamacpp*.so")

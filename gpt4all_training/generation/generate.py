@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -93,7 +93,7 @@ def read_messages_file(path: str) -> list[list[dict]]:
     text = read_text(file, "messages_file")
     lines = [(None, text)] if file.suffix == ".json" else [(n, line) for n, line in enumerate(text.splitlines(), 1)
                                                            if line.strip()]
-    conversations = []
+    conversations: list[list[dict[str, Any]]] = []
     for number, line in lines:
         where = f"messages_file {path}" + (f":{number}" if number else "")
         row = parse_json(line, where)
@@ -101,7 +101,7 @@ def read_messages_file(path: str) -> list[list[dict]]:
         # Checked as the conversation it becomes once answered: roles in order, no empty turn.
         problem = conversation_problem([*messages, {"role": "assistant", "content": "answer"}]) \
             if isinstance(messages, list) else "malformed_messages"
-        if problem:
+        if problem or not isinstance(messages, list):
             raise UserError(f"{where}: not a conversation to answer ({problem}); give a list of messages with "
                             f"'role' and 'content' that ends with a user or tool turn")
         conversations.append(messages)
@@ -132,6 +132,7 @@ class Generator:
 
 def load_generator(config: GenerateConfig) -> Generator:
     """Load the model and tokenizer `config` names (on the GPU when there is one)."""
+    assert config.model_name is not None  # validate() refuses a config without it
     tokenizer = tokenizer_for(config)
     model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                        dtype=getattr(torch, config.dtype))

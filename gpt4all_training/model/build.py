@@ -59,6 +59,7 @@ def base_model(config: TrainConfig, tokenizer, *, dtype: torch.dtype = MASTER_DT
     if config.init == "from_config":
         model = build_model_from_config(config, tokenizer, dtype)
     else:
+        assert config.model_name is not None  # init pretrained requires it
         model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
                            dtype)
     if dropout_off:
@@ -70,8 +71,9 @@ def assemble(model: nn.Module, config: TrainConfig, backend: BuildingBackend) ->
     """`model` (a base) made into the model a run trains: checkpointed, with its LoRA adapter, the loss told what it
     may do with the output head, and its parameter counts logged."""
     if config.gradient_checkpointing and not model.is_activation_checkpointing:
-        model.activation_checkpointing_enable()
-        model.config.use_cache = False  # the cache is built during the forward that checkpointing recomputes
+        model.activation_checkpointing_enable()  # type: ignore[operator]  # torch: an attribute is Tensor | Module
+        # The cache is built during the forward that checkpointing recomputes.
+        model.config.use_cache = False  # type: ignore[union-attr]  # torch types it as Tensor | Module
     if config.lora:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            config.gradient_checkpointing)
@@ -92,7 +94,8 @@ def allow_chunked_head(model: nn.Module, allowed: bool) -> None:
     """Tell the loss once, on the model it will be given, whether it may select the trained positions and project
     them through the output head in chunks (training/loss.py): the backend's to say (a partitioned head, fixed
     shapes), and every loss of a run (the objective's, validation's, a preference reference's) sees this model."""
-    unwrap_model(model).chunked_head_allowed = allowed
+    # torch types a module's attributes as Tensor | Module
+    unwrap_model(model).chunked_head_allowed = allowed  # type: ignore[assignment]
 
 
 def chunked_head_allowed(model: nn.Module) -> bool:
@@ -114,6 +117,7 @@ def architecture(config: TrainConfig, tokenizer):
     """The config of the model to train, without its weights: built from model_config, or model_name's."""
     if config.init == "from_config":
         return resolve_model_config(config, tokenizer)
+    assert config.model_name is not None  # init pretrained requires it
     return model_config(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code)
 
 

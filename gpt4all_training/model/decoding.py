@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -181,7 +181,7 @@ class Decoder:
         """Empty the batch."""
         self.sequences: list[Sequence] = []
         self.generators: list[Optional[torch.Generator]] = []
-        self.cache = None
+        self.cache: Any = None  # transformers' cache of the rows
         self.mask: Optional[torch.Tensor] = None  # (rows, cached length): 0 where a row is padded
         self.logits: Optional[torch.Tensor] = None  # (rows, vocab): the next token's
         self.seen: Optional[torch.Tensor] = None  # (rows, vocab): tokens in each row so far (repetition penalty)
@@ -221,6 +221,7 @@ class Decoder:
         if not self.sequences:
             self.cache, self.mask, self.logits, self.seen = cache, mask, logits, seen
         else:
+            assert self.mask is not None and self.logits is not None and self.seen is not None  # rows are running
             length = max(self.mask.shape[1], mask.shape[1])
             self.mask = torch.cat([left_pad(self.mask, length, 1), left_pad(mask, length, 1)])
             for old, new in zip(self.cache.layers, cache.layers):
@@ -233,12 +234,13 @@ class Decoder:
 
     def choose(self) -> None:
         """Pick every row's next token and add it to its sequence, which may end there."""
+        assert self.logits is not None and self.seen is not None  # rows are running
         logits = self.logits
         if self.vocab_size < logits.shape[-1]:
             logits = logits.clone()
             logits[:, self.vocab_size:] = float("-inf")
         self.chosen = next_tokens(logits, self.seen, [s.sampling for s in self.sequences], self.generators)
-        logprobs = [None] * len(self.sequences)
+        logprobs: list[Optional[float]] = [None] * len(self.sequences)
         if self.logprobs:
             logprobs = torch.log_softmax(self.logits.float(), dim=-1).gather(1, self.chosen[:, None])[:, 0].tolist()
         for sequence, token, logprob in zip(self.sequences, self.chosen.tolist(), logprobs):
@@ -249,6 +251,7 @@ class Decoder:
         if not keep:
             self.reset()
             return
+        assert self.chosen is not None and self.seen is not None and self.mask is not None  # `choose` ran
         fed = self.chosen
         if len(keep) < len(self.sequences):
             fed = fed[torch.tensor(keep, device=self.device)]
@@ -265,6 +268,7 @@ class Decoder:
         index = torch.tensor(keep, device=self.device)
         self.sequences = [self.sequences[i] for i in keep]
         self.generators = [self.generators[i] for i in keep]
+        assert self.mask is not None and self.logits is not None and self.seen is not None  # rows are running
         self.cache.batch_select_indices(index)
         self.mask, self.logits, self.seen = self.mask[index], self.logits[index], self.seen[index]
         if not self.plain_cache():

@@ -18,6 +18,7 @@ def resolve_model_config(config: TrainConfig, tokenizer):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     source = config.model_config or config.model_name
+    assert source is not None  # validate() requires one of them under init from_config
     try:
         if Path(source).expanduser().is_dir():
             model_config = AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code)

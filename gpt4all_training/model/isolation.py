@@ -23,7 +23,8 @@ def check_isolation(model, tolerance: float = 1e-3) -> float:
     Two short examples are run packed in one row and the second alone. With isolation its log-probabilities are the
     same up to rounding; attention across the boundary changes them at the first position already.
     """
-    embeddings = unwrap_model(model).get_input_embeddings()
+    # torch types a module's attributes as Tensor | Module
+    embeddings = unwrap_model(model).get_input_embeddings()  # type: ignore[operator]
     vocab, device = embeddings.num_embeddings, embeddings.weight.device
     was_training = model.training
     model.eval()

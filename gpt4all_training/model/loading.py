@@ -123,8 +123,10 @@ def saved_as_generic_tokenizer(folder: Path) -> bool:
 def tokenizer_for(config: ModelSource):
     """The tokenizer a train, inference, generate, plan or check config names (its model's, unless tokenizer_name),
     with the config's chat_template when it sets one."""
-    tokenizer = load_tokenizer(config.tokenizer_name or config.model_name, config.model_revision, config.gguf_file,
-                               config.trust_remote_code, "tokenizer_name" if config.tokenizer_name else "model_name")
+    name = config.tokenizer_name or config.model_name
+    assert name is not None  # validate() requires one of them
+    tokenizer = load_tokenizer(name, config.model_revision, config.gguf_file, config.trust_remote_code,
+                               "tokenizer_name" if config.tokenizer_name else "model_name")
     return apply_chat_template_option(tokenizer, config.chat_template)
 
 
@@ -162,8 +164,8 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
         # GGUF weights arrive dequantised; drop the quantisation marker so the model saves as ordinary safetensors.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.hf_quantizer = None
-        model.is_quantized = False
+        model.hf_quantizer = None  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
+        model.is_quantized = False  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
         # Recorded as the base of any adapter trained on it, so the adapter folder alone finds its base again: a
         # packaged model by its short name, which every installation resolves (not a path inside this venv).
         model.name_or_path = portable_name(Path(source) / extra["gguf_file"])

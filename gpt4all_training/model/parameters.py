@@ -33,11 +33,12 @@ def resident_parameters(model: nn.Module, held: Callable[[torch.Tensor], int] = 
 def param_groups(model: nn.Module, weight_decay: float, shape: Shape = whole_shape) -> list[dict[str, Any]]:
     """Decay matrices only: biases, norm weights and embeddings are exempt (as mesh-transformer-jax and CodeParrot).
     A parameter's rank is that of its whole `shape`."""
-    no_decay_ids = set()
+    no_decay_ids: set[int] = set()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if not param.requires_grad:
             continue

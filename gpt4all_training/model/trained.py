@@ -50,8 +50,8 @@ def resolve(name: str) -> ModelPaths:
     if is_adapter_folder(str(weights)) or any((weights / f).is_file() for f in TOKENIZER_FILES):
         return ModelPaths(str(weights), str(weights))
     # A full-model checkpoint holds no tokenizer: it is the one the run trained with.
-    _, run = training_run_config(name) or (None, None)
-    source = (run or {}).get("tokenizer_name") or (run or {}).get("model_name")
+    _, run = training_run_config(name) or (None, {})
+    source = run.get("tokenizer_name") or run.get("model_name")
     if not source:
         raise UserError(f"--model {name}: a checkpoint without a tokenizer, and no config.yaml naming the run's "
                         f"tokenizer_name or model_name beside it")

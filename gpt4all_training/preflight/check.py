@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.blocks import DataSource, Logging, ModelSource, validate
 from gpt4all_training.config.loader import load_config
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.chat import unrendered_conversations
 from gpt4all_training.data.records import finetune_records
 from gpt4all_training.errors import TrainingError, UserError
@@ -92,7 +93,7 @@ def check_config(path: Optional[str], overrides: list[str]) -> tuple[Any, list[O
 
 # ---------------------------------------------------------------- dataset
 
-def check_dataset(config, objective: ObjectiveChecks) -> tuple[Outcome, RecordScan | None]:
+def check_dataset(config: TrainConfig, objective: ObjectiveChecks) -> tuple[Outcome, RecordScan | None]:
     """Every record has the fields training reads; returns what the objective read, with the sample for the dry
     run: the first DRY_RUN_EXAMPLES examples, or for causal_lm the first records with text enough for two rows or
     more."""
@@ -109,9 +110,9 @@ def check_dataset(config, objective: ObjectiveChecks) -> tuple[Outcome, RecordSc
 
 # ---------------------------------------------------------------- model and tokenizer
 
-def check_model_name(config) -> Outcome:
-
+def check_model_name(config: ModelSource) -> Outcome:
     name = config.model_name
+    assert name is not None  # run_checks asks only when it is set
     if is_adapter_folder(name):
         base = adapter_base(name)
         try:
@@ -160,7 +161,7 @@ def tokenizer_problems(tokenizer, model_config, max_length: int, from_scratch: b
     return problems
 
 
-def check_tokenizer(config, tokenizer, model_config) -> Outcome:
+def check_tokenizer(config: TrainConfig, tokenizer, model_config) -> Outcome:
     from_scratch = config.init == "from_config"
     problems = tokenizer_problems(tokenizer, model_config, config.max_length, from_scratch)
     if problems:
@@ -174,9 +175,10 @@ def check_tokenizer(config, tokenizer, model_config) -> Outcome:
 
 # ---------------------------------------------------------------- memory and disk
 
-def check_chat_template(config, tokenizer) -> Outcome:
+def check_chat_template(config: DataSource, tokenizer) -> Outcome:
     """The chat template writes every message and tool call of every conversation: a part it leaves out would be
     trained as an answer without it (a tool call as an empty answer)."""
+    assert config.dataset_path is not None  # validate() refuses a config without it
     try:
         count, refusal = unrendered_conversations(tokenizer, finetune_records(config.dataset_path))
     except UserError as exc:
@@ -195,7 +197,7 @@ def device_memory() -> tuple[float, str]:
     return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "RAM"
 
 
-def memory_problem(config, estimate, available: float, where: str) -> Optional[str]:
+def memory_problem(config: TrainConfig, estimate, available: float, where: str) -> Optional[str]:
     """A sentence when the estimate (plan.Memory) exceeds `available` bytes, else None."""
     states = estimate.weights + estimate.gradients + estimate.optimizer
     if states > available:
@@ -209,7 +211,7 @@ def memory_problem(config, estimate, available: float, where: str) -> Optional[s
     return None
 
 
-def check_memory(config, objective: ObjectiveChecks, shape) -> Outcome:
+def check_memory(config: TrainConfig, objective: ObjectiveChecks, shape) -> Outcome:
 
     sequences = objective.rows_per_example * config.batch_size
     estimates = memory_per_gpu(shape, sequences, config.max_length, config.dtype, 1, config.gradient_checkpointing,
@@ -244,7 +246,7 @@ def room_problem(free: float, needed: float) -> Optional[str]:
     return None
 
 
-def check_output_dir(config, shape) -> Outcome:
+def check_output_dir(config: TrainConfig, shape) -> Outcome:
 
     path = Path(config.output_dir)
     problem = writable_folder(path)
@@ -261,7 +263,7 @@ def check_output_dir(config, shape) -> Outcome:
                                 f"{size(needed)}")
 
 
-def check_trackers(config) -> list[Outcome]:
+def check_trackers(config: Logging) -> list[Outcome]:
     outcomes = []
     for tracker in config.report_to:
         module = TRACKER_MODULES.get(tracker)
@@ -279,18 +281,19 @@ def check_trackers(config) -> list[Outcome]:
 
 # ---------------------------------------------------------------- the dry run
 
-def dry_run_config(config, objective: ObjectiveChecks, data_dir: Path, output_dir: Path):
+def dry_run_config(config: TrainConfig, objective: ObjectiveChecks, data_dir: Path, output_dir: Path):
     """The config on DRY_RUN_EXAMPLES examples for DRY_RUN_STEPS steps: no evaluation, saves, trackers or Hub, and
     the tokenized sample cached in the temporary output_dir, not in a shared cache_dir."""
     data_file = data_dir / objective.dry_run_file
-    changes = dict(dataset_path=str(data_file), revision=None, output_dir=str(output_dir), cache_dir=None,
-                   max_steps=DRY_RUN_STEPS, num_epochs=DRY_RUN_STEPS, batch_size=1, gradient_accumulation_steps=1,
-                   val_fraction=0.0, eval_every=None, save_every=None, report_to=["jsonl"], wandb=False,
-                   push_to_hub=False, resume=None, checkpoint=None, group_by_length=False, num_proc=1)
+    changes: dict[str, Any] = dict(
+        dataset_path=str(data_file), revision=None, output_dir=str(output_dir), cache_dir=None,
+        max_steps=DRY_RUN_STEPS, num_epochs=DRY_RUN_STEPS, batch_size=1, gradient_accumulation_steps=1,
+        val_fraction=0.0, eval_every=None, save_every=None, report_to=["jsonl"], wandb=False,
+        push_to_hub=False, resume=None, checkpoint=None, group_by_length=False, num_proc=1)
     return validate(dataclasses.replace(config, **changes)), data_file
 
 
-def dry_run(config, objective: ObjectiveChecks, scan: RecordScan) -> Outcome:
+def dry_run(config: TrainConfig, objective: ObjectiveChecks, scan: RecordScan) -> Outcome:
     sample = scan.sample
     if len(sample) < scan.min_sample:
         return failed("dry run", f"needs {DRY_RUN_EXAMPLES} records with text; the dataset has {len(sample)}")
@@ -342,12 +345,12 @@ def run_checks(config_path: Optional[str], overrides: list[str], report=print) -
             shape = model_checks(config, objective, record, scan)
     record(check_output_dir(config, shape))
     record(*check_trackers(config))
-    if all(o.ok for o in outcomes):
+    if all(o.ok for o in outcomes) and scan is not None:  # a dataset that passed was scanned
         record(dry_run(config, objective, scan))
     return outcomes
 
 
-def model_checks(config, objective: ObjectiveChecks, record, scan: RecordScan | None):
+def model_checks(config: TrainConfig, objective: ObjectiveChecks, record, scan: RecordScan | None):
     """Tokenizer, chat template (for conversations) and memory checks (and for init from_config, the config the
     model is built from); returns the model's shape (for the checkpoint size) or None."""
 

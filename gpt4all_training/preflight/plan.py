@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Optional
 
 from gpt4all_training.backends.accelerate import launched_world_size
+from gpt4all_training.config.blocks import ModelSource
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.from_config import resolve_model_config
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source, tokenizer_for
@@ -64,10 +66,11 @@ class ModelShape:
     vocab: int
 
 
-def model_config_of(config):
+def model_config_of(config: ModelSource):
     """The transformers config of the run's model, without its weights."""
     from transformers import AutoConfig
 
+    assert config.model_name is not None  # validate() refuses a config without it
     name = adapter_base(config.model_name) if is_adapter_folder(config.model_name) else config.model_name
     source, extra = model_source(name, config.gguf_file)
     try:
@@ -78,7 +81,7 @@ def model_config_of(config):
             from None
 
 
-def model_shape(config, model_config=None) -> ModelShape:
+def model_shape(config: TrainConfig, model_config=None) -> ModelShape:
     """Parameter counts of the model (and its LoRA adapter) built on the meta device: exact, and instant."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -273,7 +276,7 @@ def measured_tokens_per_second(output_dir: str) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def plan_data(config, objective: Objective, tokenizer, gpus: int) -> DataPlan:
+def plan_data(config: TrainConfig, objective: Objective, tokenizer, gpus: int) -> DataPlan:
     """The run's data, sampler and length exactly as train() builds them for `gpus` processes, counted by the
     objective."""
     data = objective.load_data(config, tokenizer, lambda line: None, launched_world_size())
@@ -282,7 +285,7 @@ def plan_data(config, objective: Objective, tokenizer, gpus: int) -> DataPlan:
     return objective.plan_counts(config, data, sampler, total_steps)
 
 
-def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
+def make_plan(config: TrainConfig, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
     if gpus < 1:
         raise UserError(f"--gpus: must be at least 1, got {gpus}")
     tokenizer = tokenizer_for(config)
@@ -294,7 +297,8 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
         shape = model_shape(config, resolve_model_config(config, tokenizer))
     else:
         shape = model_shape(config)
-    saved = shape.lora_trainable if config.lora else shape.parameters  # final/ holds the adapter only under LoRA
+    # final/ holds the adapter only under LoRA (lora_trainable is counted then)
+    saved = shape.lora_trainable if shape.lora_trainable is not None else shape.parameters
     final_bytes = 4 * saved + (4 * shape.parameters if config.lora and config.merge_lora else 0)
     saves = checkpoint_steps(total_steps, config.save_every)
 
@@ -307,7 +311,8 @@ def make_plan(config, gpus: int = 1, tokens_per_second: Optional[float] = None) 
         notes.append("--tokens-per-second is the whole run's throughput (all GPUs together, as train logs it)")
     free = shutil.disk_usage(existing_parent(Path(config.output_dir))).free
     notes.append(f"{size(free)} free where output_dir is")
-    if config.lr_schedule == "gpt3" and config.warmup_steps + config.anneal_steps > total_steps:
+    if config.lr_schedule == "gpt3" and config.anneal_steps is not None \
+            and config.warmup_steps + config.anneal_steps > total_steps:
         notes.append(f"warmup_steps + anneal_steps = {config.warmup_steps + config.anneal_steps} is more than the "
                      f"{total_steps} steps: the run ends before end_lr")
     return Plan(

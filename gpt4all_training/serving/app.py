@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -126,7 +126,8 @@ class Guard:
     @staticmethod
     async def read_body(receive) -> Optional[bytes]:
         """The whole body, or None once it passes MAX_BODY_BYTES."""
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -163,10 +164,11 @@ class Guard:
         log.info(" ".join(parts))
 
 
-# ---------------------------------------------------------------- the routes
+# ---------------------------------------------------------------- the app and its routers
 
 def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Optional[int]):
-    """The FastAPI app over `engine` (started and closed by the app's lifespan), wrapped in the Guard."""
+    """The FastAPI app over `engine` (started and closed by the app's lifespan): the service routes and the OpenAI
+    routes, errors in OpenAI's shape, wrapped in the Guard. A web app mounts its own router beside these."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -178,16 +180,21 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
             engine.close()
 
     app = FastAPI(title="gpt4all-training serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    created = int(time.time())
-    encoder = chat_encoder(tokenizer)
-    card = {"id": settings.model_id, "object": "model", "created": created, "owned_by": "gpt4all-training"}
+    add_error_handlers(app)
+    app.include_router(service_router(engine))
+    app.include_router(openai_router(engine, tokenizer, settings, context))
+    return Guard(app, settings.api_key, settings.log_prompts)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body: the API's own, unknown routes and methods, and a failure of the server."""
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request, exc: HTTPException):  # unknown routes and methods, in OpenAI's shape
+    async def http_error(_request, exc: HTTPException):
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -196,29 +203,44 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
         return JSONResponse(error_body(f"The server failed ({type(exc).__name__}).", "server_error"),
                             status_code=500)
 
+
+def service_router(engine: Engine) -> APIRouter:
+    """GET /health (open without the API key) and GET /metrics (the scheduler's counters)."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @router.get("/metrics")
+    async def metrics():
+        return {**engine.stats.as_dict(), "waiting": len(engine.waiting), "running_rows": len(engine.rows)}
+
+    return router
+
+
+def openai_router(engine: Engine, tokenizer, settings: ServeSettings, context: Optional[int]) -> APIRouter:
+    """OpenAI's routes over `engine`: GET /v1/models (and /v1/models/{id}), POST /v1/completions and POST
+    /v1/chat/completions."""
+    router = APIRouter()
+    encoder = chat_encoder(tokenizer)
+    card = {"id": settings.model_id, "object": "model", "created": int(time.time()), "owned_by": "gpt4all-training"}
+
     def check_model(name: str) -> None:
         if name != settings.model_id:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{settings.model_id}`.",
                            param="model", code="model_not_found")
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models():
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         check_model(model_id)
         return card
 
-    @app.get("/metrics")
-    async def metrics():
-        return {**engine.stats.as_dict(), "waiting": len(engine.waiting), "running_rows": len(engine.rows)}
-
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(request: Request):
         body: CompletionRequest = parse(CompletionRequest, await request.body())
         check_model(body.model)
@@ -231,12 +253,13 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
             request.state.prompt = prompts[0] if len(prompts) == 1 else prompts
         return await answer(request, body, ids, max_tokens, "max_tokens", "prompt", CompletionShapes())
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body: ChatRequest = parse(ChatRequest, await request.body())
         check_model(body.model)
         messages, tools = body.conversation()
         ids = [render(encoder, messages, tools)]
+        assert encoder is not None  # render refused the request: the tokenizer has no chat template
         key = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: as long as the context allows
@@ -247,30 +270,10 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
         return await answer(request, body, ids, max_tokens, key, "messages",
                             ChatShapes(opens_reasoning(encoder, messages, tools)))
 
-    def check_limits(body: Sampled, ids: list[list[int]], max_tokens: int, tokens_key: str, prompt_key: str):
-        if max_tokens > settings.max_tokens_cap:
-            raise APIError(400, f"{tokens_key} is {max_tokens}; this server generates at most "
-                                f"{settings.max_tokens_cap} tokens per request.", param=tokens_key)
-        rows = len(ids) * body.n
-        if rows > settings.max_batch_size:
-            raise APIError(400, f"n: {rows} completions in one request; this server decodes at most "
-                                f"{settings.max_batch_size} together.", param="n")
-        for prompt in ids:
-            if not prompt:
-                raise APIError(400, f"{prompt_key}: the prompt is empty", param=prompt_key)
-            if len(prompt) > settings.max_prompt_tokens:
-                raise APIError(400, f"{prompt_key}: {len(prompt)} tokens; this server takes at most "
-                                    f"{settings.max_prompt_tokens}.", param=prompt_key,
-                               code="context_length_exceeded")
-            if context and len(prompt) + max_tokens > context:
-                raise APIError(400, f"This model's maximum context length is {context} tokens; the prompt has "
-                                    f"{len(prompt)} and {tokens_key} asks for {max_tokens}.", param=prompt_key,
-                               code="context_length_exceeded")
-
     async def answer(request, body: Sampled, ids: list[list[int]], max_tokens: int, tokens_key: str,
                      prompt_key: str, shapes: Shapes):
         stop = body.stops()
-        check_limits(body, ids, max_tokens, tokens_key, prompt_key)
+        check_limits(settings, context, body, ids, max_tokens, tokens_key, prompt_key)
         base_seed = body.seed if body.seed is not None else secrets.randbelow(SEED_RANGE)
         sampling = Sampling(body.temperature, body.top_p)
         # Choice i of the request: prompt i // n; its seed is the request's plus i, so n choices differ.
@@ -295,51 +298,80 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
                 "choices": [shapes.choice(f.index, f.text, f.finish_reason) for f in finished],
                 "usage": usage(state.prompt_tokens, state.completion_tokens)}
 
-    async def collect(ticket: Ticket, state) -> list[Finished]:
-        finished: dict[int, Finished] = {}
-        try:
-            while len(finished) < len(ticket.choices):
-                event = await ticket.events.get()
-                if isinstance(event, Failed):
-                    raise APIError(500, event.message, "server_error")
-                if isinstance(event, Finished):
-                    finished[event.index] = event
-        finally:
-            ticket.cancelled = len(finished) < len(ticket.choices)
+    return router
+
+
+def check_limits(settings: ServeSettings, context: Optional[int], body: Sampled, ids: list[list[int]],
+                 max_tokens: int, tokens_key: str, prompt_key: str) -> None:
+    """A request past this server's bounds (max_tokens, rows, the prompt's length, the context) refused by key."""
+    if max_tokens > settings.max_tokens_cap:
+        raise APIError(400, f"{tokens_key} is {max_tokens}; this server generates at most "
+                            f"{settings.max_tokens_cap} tokens per request.", param=tokens_key)
+    rows = len(ids) * body.n
+    if rows > settings.max_batch_size:
+        raise APIError(400, f"n: {rows} completions in one request; this server decodes at most "
+                            f"{settings.max_batch_size} together.", param="n")
+    for prompt in ids:
+        if not prompt:
+            raise APIError(400, f"{prompt_key}: the prompt is empty", param=prompt_key)
+        if len(prompt) > settings.max_prompt_tokens:
+            raise APIError(400, f"{prompt_key}: {len(prompt)} tokens; this server takes at most "
+                                f"{settings.max_prompt_tokens}.", param=prompt_key,
+                           code="context_length_exceeded")
+        if context and len(prompt) + max_tokens > context:
+            raise APIError(400, f"This model's maximum context length is {context} tokens; the prompt has "
+                                f"{len(prompt)} and {tokens_key} asks for {max_tokens}.", param=prompt_key,
+                           code="context_length_exceeded")
+
+
+async def collect(ticket: Ticket, state) -> list[Finished]:
+    """A request's choices once all have finished (a failure is a 500); cancelled if the client goes first."""
+    finished: dict[int, Finished] = {}
+    try:
+        while len(finished) < len(ticket.choices):
+            event = await ticket.events.get()
+            if isinstance(event, Failed):
+                raise APIError(500, event.message, "server_error")
+            if isinstance(event, Finished):
+                finished[event.index] = event
+    finally:
+        ticket.cancelled = len(finished) < len(ticket.choices)
+        note_usage(state, ticket, finished.values())
+    return [finished[i] for i in sorted(finished)]
+
+
+async def stream(ticket: Ticket, shapes: Shapes, head: dict[str, Any], include_usage: bool,
+                 state) -> AsyncIterator[str]:
+    """A request's choices as server-sent events while they decode; cancelled if the client goes first."""
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        return sse({**head, "object": shapes.chunk_object, "choices": choices})
+
+    finished: dict[int, Finished] = {}
+    try:
+        for choice in ticket.choices:
+            if (opening := shapes.opening(choice.index)) is not None:
+                yield chunk([opening])
+        while len(finished) < len(ticket.choices):
+            event = await ticket.events.get()
+            if isinstance(event, Delta):
+                yield chunk([shapes.delta(event.index, event.text, None)])
+            elif isinstance(event, Finished):
+                finished[event.index] = event
+                yield chunk([shapes.delta(event.index, "", event.finish_reason)])
+            else:
+                yield sse(error_body(event.message, "server_error"))
+                break
+        if include_usage:
             note_usage(state, ticket, finished.values())
-        return [finished[i] for i in sorted(finished)]
+            yield sse({**head, "object": shapes.chunk_object, "choices": [],
+                       "usage": usage(state.prompt_tokens, state.completion_tokens)})
+        yield sse("[DONE]")
+    finally:
+        ticket.cancelled = len(finished) < len(ticket.choices)
+        note_usage(state, ticket, finished.values())
 
-    async def stream(ticket: Ticket, shapes: Shapes, head: dict[str, Any], include_usage: bool,
-                     state) -> AsyncIterator[str]:
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            return sse({**head, "object": shapes.chunk_object, "choices": choices})
 
-        finished: dict[int, Finished] = {}
-        try:
-            for choice in ticket.choices:
-                if (opening := shapes.opening(choice.index)) is not None:
-                    yield chunk([opening])
-            while len(finished) < len(ticket.choices):
-                event = await ticket.events.get()
-                if isinstance(event, Delta):
-                    yield chunk([shapes.delta(event.index, event.text, None)])
-                elif isinstance(event, Finished):
-                    finished[event.index] = event
-                    yield chunk([shapes.delta(event.index, "", event.finish_reason)])
-                else:
-                    yield sse(error_body(event.message, "server_error"))
-                    break
-            if include_usage:
-                note_usage(state, ticket, finished.values())
-                yield sse({**head, "object": shapes.chunk_object, "choices": [],
-                           "usage": usage(state.prompt_tokens, state.completion_tokens)})
-            yield sse("[DONE]")
-        finally:
-            ticket.cancelled = len(finished) < len(ticket.choices)
-            note_usage(state, ticket, finished.values())
-
-    def note_usage(state, ticket: Ticket, finished) -> None:
-        state.completion_tokens = sum(f.completion_tokens for f in finished)
-        state.batch = ticket.batch_rows
-
-    return Guard(app, settings.api_key, settings.log_prompts)
+def note_usage(state, ticket: Ticket, finished) -> None:
+    """The request's tokens and batch, for its log line and its `usage`."""
+    state.completion_tokens = sum(f.completion_tokens for f in finished)
+    state.batch = ticket.batch_rows

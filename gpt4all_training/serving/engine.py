@@ -221,6 +221,7 @@ class Engine:
             if ticket.stream and (delta := row.stream.sendable()):
                 ticket.put(Delta(row.choice.index, delta))
             if sequence.finished:
+                assert sequence.finish_reason is not None  # set when it finished
                 ticket.put(Finished(row.choice.index, sequence.text, sequence.finish_reason, len(sequence.ids)))
         keep = [i for i, row in enumerate(self.rows) if not row.sequence.finished and not row.ticket.cancelled]
         self.rows = [self.rows[i] for i in keep]

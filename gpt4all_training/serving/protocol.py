@@ -131,9 +131,9 @@ class ChatRequest(Sampled):
             if message.role not in ROLES:
                 raise APIError(400, f"messages.{i}.role: {message.role!r} is not a role this server takes (one of "
                                     f"{', '.join(ROLES)})", param="messages")
-            problem = field_problem(message.as_dict())
-            if problem:
-                raise APIError(400, f"messages.{i}: {problem[1]}", param="messages")
+            found = field_problem(message.as_dict())
+            if found:
+                raise APIError(400, f"messages.{i}: {found[1]}", param="messages")
 
     def conversation(self) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
         """(the messages, the tools or None) as training gives them to the chat template."""

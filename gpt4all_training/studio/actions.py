@@ -249,7 +249,8 @@ def score_rows(runs: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
     for task in sorted(set().union(*runs)):
         for metric in sorted(set().union(*(run.get(task, {}) for run in runs))):
             values = [run.get(task, {}).get(metric) for run in runs]
-            change = values[1] - values[0] if len(values) == 2 and None not in values else None
+            before, after = values if len(values) == 2 else (None, None)
+            change = after - before if before is not None and after is not None else None
             name, _, filter_name = metric.partition(",")  # the harness's "metric,filter"; filter "none" is no filter
             shown = name if filter_name in ("", "none") else f"{name} ({filter_name})"
             rows.append({"task": task, "metric": shown, "values": values, "change": change})

@@ -233,7 +233,7 @@ def suite_tasks() -> list[str]:
     return names
 
 
-def create_app(settings: StudioSettings) -> FastAPI:
+def create_app(settings: StudioSettings) -> Guard:
     """The studio over `settings.workdir`, which must be the current folder: the commands the pages show run from
     it, and the package functions read the same relative paths."""
     workdir = Workdir(settings.workdir)

@@ -48,7 +48,7 @@ def field_kind(tp: Any) -> str:
 
 
 def default_of(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def form_schema() -> list[dict[str, Any]]:

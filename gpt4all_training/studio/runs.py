@@ -280,7 +280,7 @@ class Runs:
         writes a checkpoint and exits."""
         folder = self.folder(name)
         record = read_json(folder / RECORD_FILE)
-        if not alive(record) or (folder / EXIT_FILE).exists():
+        if record is None or not alive(record) or (folder / EXIT_FILE).exists():
             raise RunConflict(f"run {name}: not running")
         os.kill(record["pid"], signal.SIGTERM)
         return run_info(self.workdir, folder, detail=True)

@@ -12,6 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from gpt4all_training.config.blocks import Logging
 from gpt4all_training.config.secrets import redact
 from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.files import atomic_write
@@ -63,8 +64,12 @@ def wandb_run_id(output_dir: str | Path, resume_step: int) -> str:
 
 
 class Tracker:
-    def __init__(self, output_dir: str | Path, report_to: list[str], config: dict[str, Any], enabled: bool,
-                 resume_step: int = 0, project: str | None = None, entity: str | None = None):
+    """The trackers `settings.report_to` names, in output_dir; `config` is the run's whole config, as wandb records
+    it (public_config)."""
+
+    def __init__(self, output_dir: str | Path, settings: Logging, config: dict[str, Any], enabled: bool,
+                 resume_step: int = 0):
+        report_to = settings.report_to
         self.enabled = enabled
         self.metrics_path = Path(output_dir) / "metrics.jsonl"
         self.jsonl = enabled and "jsonl" in report_to
@@ -87,7 +92,8 @@ class Tracker:
             import wandb
 
             # A credential pasted into the project or entity would otherwise be stored in wandb's own files.
-            self.wandb_run = wandb.init(project=redact(project), entity=redact(entity), config=public_config(config),
+            self.wandb_run = wandb.init(project=redact(settings.wandb_project_name),
+                                        entity=redact(settings.wandb_entity), config=public_config(config),
                                         dir=str(output_dir), id=wandb_run_id(output_dir, resume_step),
                                         resume="allow")
 

@@ -53,7 +53,8 @@ import yaml
 from safetensors import SafetensorError
 
 from gpt4all_training.backends.deepspeed import deepspeed_pickled_types
-from gpt4all_training.config.secrets import redact
+from gpt4all_training.config.blocks import Checkpoints
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError, UserError, write_failure
 # The crash-safe file pieces, under the names readers of checkpoints import from here.
 from gpt4all_training.files import MARKER, atomic_write, fsync_dir, fsync_tree, load_tensors
@@ -79,6 +80,7 @@ SAMPLER_KEYS = ("seed", "n_examples", "examples_per_step", "group_by_length")
 def rng_state() -> dict[str, Any]:
     """Every RNG the run draws from, as plain tensors and lists (loadable with weights_only=True)."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy form, get_state's default
     state = {
         "python": [list(random.getstate()[1]), random.getstate()[0], random.getstate()[2]],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
@@ -134,7 +136,7 @@ def check_engine_files(folder: Path, allowed: list[type]) -> None:
     classes. DeepSpeed reads its files with weights_only=False, which runs whatever code a pickle names, so each file
     is opened by the weights-only unpickler first; memory-mapped, so this checks the structure without reading
     tensors."""
-    with torch.serialization.safe_globals(allowed):
+    with torch.serialization.safe_globals([*allowed]):
         for path in sorted(folder.rglob("*.pt")):
             load_tensors(path, map_location="cpu", mmap=True)
 
@@ -196,7 +198,8 @@ def latest_checkpoint(output_dir: str | Path, log: Callable[[str], Any] = print,
             newest = folder
             break
         log(f"skipping checkpoint {folder}: {problem}")
-    newest_step = int(STEP_DIR.match(newest.name).group(1)) if newest else -1
+    match = STEP_DIR.match(newest.name) if newest else None
+    newest_step = int(match.group(1)) if match else -1
     for step, folder in checkpoint_dirs(output_dir, TMP_DIR):
         if step > newest_step:
             log(f"skipping {folder}: a save that was interrupted; it is never loaded")
@@ -291,7 +294,7 @@ def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: d
     return folder
 
 
-def save_step_checkpoint(output_dir: Path, state: TrainState, checkpointer: "Checkpointer", model, optimizer,
+def save_step_checkpoint(output_dir: Path, state: TrainState, checkpointer: Checkpointer, model, optimizer,
                          scheduler) -> Path:
     """The loop's checkpoint: step_N/ with the sampler's state and the run's identity, then rotation of older ones."""
     backend = checkpointer.backend
@@ -320,16 +323,16 @@ class Checkpointer:
     """The loop's step_N/ checkpoints: due every save_every steps but the last (final/ is written then), and rotated
     when the run starts, after each save, and when the run ends."""
 
-    def __init__(self, config, backend, sampler, total_steps: int, lineage: Lineage,
+    def __init__(self, settings: Checkpoints, config_yaml: str, backend, sampler, total_steps: int, lineage: Lineage,
                  fingerprint: str | None) -> None:
-        self.output_dir = Path(config.output_dir)
-        self.every, self.keep_last, self.keep_every = config.save_every, config.keep_last, config.keep_every
+        self.output_dir = Path(settings.output_dir)
+        self.every, self.keep_last, self.keep_every = settings.save_every, settings.keep_last, settings.keep_every
         self.backend, self.sampler, self.total_steps = backend, sampler, total_steps
         self.lineage, self.fingerprint = lineage, fingerprint
-        self.config_yaml = yaml.safe_dump(redact(config.to_dict()), sort_keys=False)
+        self.config_yaml = config_yaml  # the run's whole config (redacted), saved in every checkpoint
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and step != self.total_steps
+        return self.every is not None and step % self.every == 0 and step != self.total_steps
 
     def save(self, state: TrainState, model, optimizer, scheduler) -> Path:
         return save_step_checkpoint(self.output_dir, state, self, model, optimizer, scheduler)
@@ -483,7 +486,7 @@ def start_over(output_dir: Path, log: Callable[[str], Any]) -> None:
         f"nothing was deleted; training from step 0")
 
 
-def resume_point(config, backend, log: Callable[[str], Any] = print) -> ResumePoint:
+def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print) -> ResumePoint:
     """Decide where the run starts before any data is read, and say so first: the checkpoint it continues (see
     find_resume_checkpoint), checked against this config; or step 0, in a fresh output_dir under resume=never.
     Refused in one line: a checkpoint that does not verify, a config that changes what its run trains (the data's
@@ -522,7 +525,7 @@ def resume_point(config, backend, log: Callable[[str], Any] = print) -> ResumePo
     return start
 
 
-def resume_training(config, backend, model, optimizer, scheduler, sampler, start: ResumePoint,
+def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, sampler, start: ResumePoint,
                     fingerprint: str | None = None, log: Callable[[str], Any] = print) -> tuple[TrainState, Lineage]:
     """The state to start the loop from, restored from `start`'s checkpoint (else step 0), and the run's lineage. A
     checkpoint whose config trained something else than this one (or its data had another `fingerprint`) is

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from gpt4all_training.batch import IGNORE
+from gpt4all_training.config.blocks import Evaluation
 from gpt4all_training.data.batching import fetch_batch
 from gpt4all_training.training.loss import token_loss_sum
 
@@ -86,15 +87,15 @@ def evaluate_loss(model, dataset, backend, batch_size: int, pad_id: int, max_bat
 class Evaluator:
     """The objective's validation on the validation split: due every eval_every steps and at the last step."""
 
-    def __init__(self, config, backend, dataset, pad_id: int, total_steps: int, log,
+    def __init__(self, settings: Evaluation, batch_size: int, backend, dataset, pad_id: int, total_steps: int, log,
                  validation: Validation | None = None) -> None:
         self.backend, self.dataset, self.pad_id, self.total_steps, self.log = backend, dataset, pad_id, total_steps, log
-        self.every, self.batch_size, self.max_batches = config.eval_every, config.batch_size, config.eval_steps
+        self.every, self.batch_size, self.max_batches = settings.eval_every, batch_size, settings.eval_steps
         self.validation = validation or TokenValidation()
         self.last: dict[str, float] = {}  # the latest result, for the run's summary
 
     def due(self, step: int) -> bool:
-        return len(self.dataset) > 0 and (bool(self.every) and step % self.every == 0 or step == self.total_steps)
+        return len(self.dataset) > 0 and (self.every is not None and step % self.every == 0 or step == self.total_steps)
 
     def run(self, model, step: int) -> dict[str, float]:
         self.last = evaluate_loss(model, self.dataset, self.backend, self.batch_size, self.pad_id, self.max_batches,

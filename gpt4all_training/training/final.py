@@ -11,6 +11,7 @@ from typing import Any, Callable
 from safetensors import SafetensorError
 
 from gpt4all_training.backends.replicas import replica_mismatches
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.files import fsync_dir, fsync_tree, write_marker
 from gpt4all_training.tracking.hub import push_folder
@@ -67,8 +68,8 @@ def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_l
         generation.save_pretrained(folder / "merged")
 
 
-def finish_run(config, backend, model, tokenizer, tracker, step: int, summarize: Callable[[], dict[str, Any]],
-               checkpointer: Checkpointer) -> dict[str, Any]:
+def finish_run(config: TrainConfig, backend, model, tokenizer, tracker, step: int,
+               summarize: Callable[[], dict[str, Any]], checkpointer: Checkpointer) -> dict[str, Any]:
     """Everything after the last step of a run that reached it; returns the run's summary (`summarize()`, taken once
     final/ is written, so its peak memory includes the save). Every rank calls it. Checkpoints are rotated once
     final/ is complete, and never when it could not be written."""
@@ -102,6 +103,6 @@ def finish_run(config, backend, model, tokenizer, tracker, step: int, summarize:
             report = None
         backend.print(f"final model: {final}; loss curves: {report or 'none'}")
     backend.wait_for_everyone()
-    if config.push_to_hub and backend.is_main_process:
+    if config.push_to_hub and config.save_name and backend.is_main_process:  # validate() requires save_name
         push_folder(output_dir / "final", config.save_name, log=backend.print)  # a failure warns; the run succeeds
     return summary

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import yaml
 
 from gpt4all_training.backends.accelerate import build_backend
+from gpt4all_training.config.blocks import Logging
 from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.config.secrets import redact
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.build import check_max_length
 from gpt4all_training.model.isolation import check_isolation
@@ -49,6 +52,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
                         "backward, before the step's loss is known; use 'stop'")
     objective: TrainingObjective = objective_for(config)  # the loop asks nothing of its checks face
     start = resume_point(config, backend, log)  # before the data: cheap, and its line is the first
+    assert config.dataset_path is not None  # validate() refuses a config without it
     require_dataset(config.dataset_path)  # a typo is one line now, not after the tokenizer has loaded
 
     tokenizer = tokenizer_for(config)
@@ -66,12 +70,13 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     state, lineage = resume_training(config, backend, model, optimizer, scheduler, sampler, start,
                                      data.fingerprint, log)
 
-    tracker = Tracker(config.output_dir, config.report_to, config.to_dict(), backend.is_main_process,
-                      resume_step=state.step, project=config.wandb_project_name, entity=config.wandb_entity)
+    tracker = Tracker(config.output_dir, config, config.to_dict(), backend.is_main_process, resume_step=state.step)
     meter = ThroughputMeter(config.log_every, total_steps, sampler.steps_per_epoch, config.nan_policy == "skip")
-    evaluator = Evaluator(config, backend, data.val, tokenizer.pad_token_id, total_steps, log, objective.validation)
+    evaluator = Evaluator(config, config.batch_size, backend, data.val, tokenizer.pad_token_id, total_steps, log,
+                          objective.validation)
     others = [build(config, backend, tokenizer, total_steps, log) for build in evaluators]
-    checkpointer = Checkpointer(config, backend, sampler, total_steps, lineage, data.fingerprint)
+    config_yaml = yaml.safe_dump(redact(config.to_dict()), sort_keys=False)
+    checkpointer = Checkpointer(config, config_yaml, backend, sampler, total_steps, lineage, data.fingerprint)
     if backend.is_main_process:  # a kill between an earlier save and its rotation left one checkpoint too many
         checkpointer.rotate()
     grads_every = grad_norms_interval(config, backend)
@@ -86,7 +91,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
                                                      sampler.step_indices(state.step), tokenizer.pad_token_id)
                 result = train_step(model, batches, backend, optimizer, scheduler, config.max_grad_norm, state.step,
                                     objective.loss, config.nan_policy,
-                                    grad_norms=bool(grads_every) and (state.step + 1) % grads_every == 0,
+                                    grad_norms=grads_every is not None and (state.step + 1) % grads_every == 0,
                                     count=objective.count)
                 state = state.after(result)
                 meter.add(result)
@@ -142,7 +147,7 @@ def prepare(model, config: TrainConfig, backend, total_steps: int):
     return model, optimizer, build_scheduler(backend.stepping_optimizer(optimizer), config, total_steps)
 
 
-def grad_norms_interval(config: TrainConfig, backend) -> int | None:
+def grad_norms_interval(config: Logging, backend) -> int | None:
     """log_grads_every, or None (said once) where the gradients are gone before the loop could read them."""
     if config.log_grads_every and not backend.supports_grad_norms:
         backend.print("log_grads_every: not available under DeepSpeed, whose engine consumes the gradients inside "

@@ -48,7 +48,7 @@ def output_head(model) -> tuple[nn.Module, str, nn.Linear] | None:
     config = getattr(inner, "config", None)
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_TRANSFORMS):
         return None
-    for name, module in inner.named_modules():
+    for module in inner.modules():
         for child_name, child in module.named_children():
             if child is head:
                 return module, child_name, head
@@ -301,6 +301,7 @@ class CausalLMLoss:
         out = token_loss(model, batch, self.z_loss, last_position=True)
         with torch.no_grad():
             last_targets = out.targets[:, -1]
+            assert out.last_logits is not None  # asked for with last_position=True
             last_sum = F.cross_entropy(out.last_logits, last_targets, ignore_index=IGNORE, reduction="sum")
             self.window += torch.stack([last_sum.double().cpu(), (last_targets != IGNORE).sum().double().cpu(),
                                         out.z_sum.detach().double().cpu(),

@@ -14,7 +14,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
+from gpt4all_training.config.blocks import Checkpoints, Schedule
 from gpt4all_training.config.fields import shown
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.config.secrets import redact
 from gpt4all_training.errors import UserError
 from gpt4all_training.training.schedule import learning_rate, total_optimizer_steps
@@ -38,7 +40,7 @@ NEW_OUTPUT_DIR = "start a new output_dir"
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_schedule", "anneal_steps", "end_lr", "num_epochs", "max_steps")
 
 
-def config_changes(saved: dict[str, Any], config, saved_state: dict[str, Any],
+def config_changes(saved: dict[str, Any], config: TrainConfig, saved_state: dict[str, Any],
                    fingerprint: str | None, compare_data: bool = True) -> dict[str, tuple[Any, Any]]:
     """{key: (checkpoint's value, this config's value)} for every key whose change alters what is trained; the
     data's content appears under `dataset_path` as its two hashes. `compare_data=False` leaves the data keys out
@@ -50,7 +52,7 @@ def config_changes(saved: dict[str, Any], config, saved_state: dict[str, Any],
     changes = {key: (saved[key], value) for key, value in current.items()
                if key in saved and saved[key] != value and key not in FREE_KEYS
                and not (skip_data and key in DATA_KEYS)}
-    if by_content and fingerprint != saved_fingerprint:
+    if fingerprint and saved_fingerprint and fingerprint != saved_fingerprint:  # by_content
         changes["dataset_path"] = (f"content sha256 {saved_fingerprint[:12]}", f"{fingerprint[:12]}")
     return changes
 
@@ -59,7 +61,7 @@ def described(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{key} ({shown(old)} -> {shown(new)})" for key, (old, new) in changes.items())
 
 
-def refuse_changes(folder: Path, changes: dict[str, tuple[Any, Any]], config,
+def refuse_changes(folder: Path, changes: dict[str, tuple[Any, Any]], config: Checkpoints,
                    alternative: str = NEW_OUTPUT_DIR) -> None:
     """One line naming every change `resume_allow_changes` does not list, with both values; `alternative` is what
     else the user can do."""
@@ -70,7 +72,7 @@ def refuse_changes(folder: Path, changes: dict[str, tuple[Any, Any]], config,
                         f"purpose (or {alternative})")
 
 
-def check_config_changes(folder: Path, saved: dict[str, Any], config, saved_state: dict[str, Any],
+def check_config_changes(folder: Path, saved: dict[str, Any], config: TrainConfig, saved_state: dict[str, Any],
                          fingerprint: str | None, steps_per_epoch: int, log: Callable[[str], Any],
                          alternative: str = NEW_OUTPUT_DIR) -> list[str]:
     """Refuse, in one line naming them, the changes from the checkpoint's config that `resume_allow_changes` does not
@@ -84,7 +86,7 @@ def check_config_changes(folder: Path, saved: dict[str, Any], config, saved_stat
     return list(changes)
 
 
-def schedule_change(saved: dict[str, Any], config, saved_state: dict[str, Any], steps_per_epoch: int) -> str:
+def schedule_change(saved: dict[str, Any], config: Schedule, saved_state: dict[str, Any], steps_per_epoch: int) -> str:
     """What the changed schedule keys do: where the run now ends, and the lr of the next step before and after."""
     before = dataclasses.replace(config, **{key: saved[key] for key in SCHEDULE_KEYS if key in saved})
     total_before = total_optimizer_steps(saved_state.get("steps_per_epoch", steps_per_epoch), before.num_epochs,

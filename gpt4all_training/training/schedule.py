@@ -14,11 +14,14 @@ from functools import partial
 
 import torch
 
+from gpt4all_training.config.blocks import Schedule
+
 SCHEDULES = ("cosine", "gpt3")
 
 
 def cosine_with_min_lr(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine from `lr` down to exactly `min_lr` at the last step.
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine from `lr` down to exactly `min_lr` at the last
+    step.
 
     `step` counts optimiser steps taken so far (the lr used for step 0 is the first warmup value). The last step
     of the run is `total_steps - 1`; it uses `min_lr`. gpt4all stretched the horizon by steps*min_lr/lr instead,
@@ -48,9 +51,10 @@ def gpt3_schedule(step: int, lr: float, end_lr: float, warmup_steps: int, anneal
     return end_lr + (lr - end_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def learning_rate(step: int, config, total_steps: int) -> float:
+def learning_rate(step: int, config: Schedule, total_steps: int) -> float:
     """The lr of optimiser step `step` under `config.lr_schedule`: the one function the loop and `plan` both use."""
-    if getattr(config, "lr_schedule", "cosine") == "gpt3":
+    if config.lr_schedule == "gpt3":
+        assert config.anneal_steps is not None  # validate() requires it for gpt3
         return gpt3_schedule(step, config.lr, config.end_lr, config.warmup_steps, config.anneal_steps)
     return cosine_with_min_lr(step, config.lr, config.min_lr, config.warmup_steps, total_steps)
 
@@ -61,10 +65,10 @@ def total_optimizer_steps(steps_per_epoch: int, num_epochs: int, max_steps: int 
     return min(total, max_steps) if max_steps else total
 
 
-def lr_factor(step: int, config, total_steps: int) -> float:
+def lr_factor(step: int, config: Schedule, total_steps: int) -> float:
     return learning_rate(step, config, total_steps) / config.lr
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config, total_steps: int):
+def build_scheduler(optimizer: torch.optim.Optimizer, config: Schedule, total_steps: int):
     """The LambdaLR that drives `optimizer` (the one that applies the updates) along learning_rate."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config, total_steps=total_steps))

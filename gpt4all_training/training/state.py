@@ -11,7 +11,7 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     trained_tokens: int = 0  # positions with a loss, over every rank, since step 0
 
-    def after(self, result: dict[str, Any]) -> "TrainState":
+    def after(self, result: dict[str, Any]) -> TrainState:
         """The state after one more optimizer step with train_step's `result`."""
         return TrainState(self.step + 1, self.trained_tokens + int(result["n_trained"]))
 

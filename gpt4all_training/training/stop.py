@@ -27,7 +27,7 @@ class GracefulStop:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
-    def __enter__(self) -> "GracefulStop":
+    def __enter__(self) -> GracefulStop:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -3,7 +3,7 @@ start-up, so it runs once however many tests, files and test workers look at it:
 
 Every run trains the same 8 optimiser steps of global batch 4 on the tiny GPT-J in fp32: the 1-process references
 as batch 4, the 2-process runs as batch 1 x gradient accumulation 2 x 2 ranks. Global step s is the same 4 examples
-in all of them (sampler.py), so they must agree within floating-point summation order. Every run checkpoints at
+in all of them (data/sampling.py), so they must agree within floating-point summation order. Every run checkpoints at
 step 4, so DeepSpeed runs also write their engine state.
 """
 

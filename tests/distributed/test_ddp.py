@@ -1,6 +1,6 @@
 """accelerate DDP on CPU: `accelerate launch --config_file configs/accelerate/multi_gpu_8.yaml --num_processes 2`
-runs two gloo ranks (distributed.py sets ACCELERATE_USE_CPU when there is no CUDA), and they reproduce one process
-with the same global batch. Tolerances are justified in runs.py."""
+runs two gloo ranks (backends/accelerate.py sets ACCELERATE_USE_CPU when there is no CUDA), and they reproduce one
+process with the same global batch. Tolerances are justified in runs.py."""
 
 from __future__ import annotations
 
@@ -17,5 +17,5 @@ def test_ddp_matches_one_process(single_run, ddp_run, initial_weights):
 
 
 def test_ddp_ranks_end_with_bitwise_identical_weights(ddp_run):
-    """Checked in the run itself: each rank's per-tensor bit checksum against rank 0's (distributed.py)."""
+    """Checked in the run itself: each rank's per-tensor bit checksum against rank 0's (backends/replicas.py)."""
     assert ddp_run.last("replica_mismatches") == 0

@@ -1,5 +1,5 @@
-"""Pure helpers of distributed.py: the per-tensor checksum that compares each rank's weights with rank 0's, and the
-width buckets that keep shapes static under XLA (no launch needed)."""
+"""Pure helpers of the backends: the per-tensor checksum that compares each rank's weights with rank 0's
+(backends/replicas.py), and the width buckets that keep shapes static under XLA (backends/xla.py); no launch needed."""
 
 from __future__ import annotations
 

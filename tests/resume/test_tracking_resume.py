@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 
+from gpt4all_training.config.blocks import Logging
 from gpt4all_training.tracking.tracker import WANDB_ID_FILE, Tracker, read_metrics, wandb_run_id
 
 
 def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):
     rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo')
-    tracker = Tracker(tmp_path, ["jsonl"], {}, enabled=True, resume_step=3)
+    tracker = Tracker(tmp_path, Logging(report_to=["jsonl"]), {}, enabled=True, resume_step=3)
     assert read_metrics(tmp_path / "metrics.jsonl") == rows[:3]
     tracker.log({"loss": 0.25}, 4)
     assert read_metrics(tmp_path / "metrics.jsonl") == [*rows[:3], {"step": 4, "loss": 0.25}]

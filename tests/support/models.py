@@ -43,13 +43,13 @@ def build_tiny_gptj(tokenizer, seed: int = 0):
     return GPTJForCausalLM(config)
 
 
-def build_tiny_llama(tokenizer, tie: bool = False, seed: int = 0):
+def build_tiny_llama(tokenizer, tie: bool = False, seed: int = 0, max_positions: int = 256):
     """A 2-layer, width-64 Llama (4 heads, 2 KV heads) over `tokenizer`'s vocabulary: what GGUF export can write."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config).eval()

@@ -150,7 +150,7 @@ class Rows:
     embeddings: np.ndarray
 
     @classmethod
-    def of(cls, run: Run) -> "Rows":
+    def of(cls, run: Run) -> Rows:
         order = np.argsort(run.index, kind="stable")
         if len(np.unique(run.index)) != len(run.index):
             raise UserError(f"{run.path}: the index column repeats values; is this one inference.py output?")
@@ -168,7 +168,7 @@ class Decisions:
     rules: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def none(cls, n: int) -> "Decisions":
+    def none(cls, n: int) -> Decisions:
         return cls(np.full(n, "", dtype=object), np.full(n, -1, dtype=np.int64), np.full(n, np.nan))
 
     @property
@@ -205,6 +205,7 @@ def apply_rules(rows: Rows, options: CurateOptions, run_path: Path) -> Decisions
 
 def drop_duplicates(rows: Rows, decisions: Decisions, options: CurateOptions) -> None:
     """Exact duplicates, then near-duplicates among what is left."""
+    assert options.near_duplicates is not None  # asked for only then
     exact = exact_duplicates(rows.prompts, rows.responses, decisions.kept)
     decisions.drop(exact >= 0, "exact_duplicate")
     decisions.duplicate_of[exact >= 0] = exact[exact >= 0]

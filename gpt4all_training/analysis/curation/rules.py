@@ -26,7 +26,7 @@ def exact_duplicates(prompts: list[str], responses: list[str], candidates: np.nd
         if key in first:
             duplicate_of[row] = first[key]
         else:
-            first[key] = row
+            first[key] = int(row)
     return duplicate_of
 
 

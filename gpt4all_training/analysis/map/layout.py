@@ -42,7 +42,7 @@ def configure_numba() -> None:
     import numba
     from umap import layouts, umap_
 
-    numba.config.THREADING_LAYER = "workqueue"
+    numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]  # numba reads its config at run time
     for kernel in (umap_.smooth_knn_dist, umap_.compute_membership_strengths,
                    layouts._nb_optimize_layout_euclidean_single_epoch):
         kernel.enable_caching()

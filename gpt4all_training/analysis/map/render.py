@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -38,8 +38,8 @@ class ColorScale:
     """Values to colours: a matplotlib norm (value -> [0, 1]) and colormap, and how to draw and label them."""
     title: str
     values: np.ndarray
-    norm: object  # matplotlib.colors.Normalize
-    cmap: object  # matplotlib.colors.Colormap
+    norm: Any  # matplotlib.colors.Normalize
+    cmap: Any  # matplotlib.colors.Colormap
     magnitude_on_top: bool  # draw the largest |value| last (changes); otherwise the largest value last
 
     def codes(self) -> np.ndarray:

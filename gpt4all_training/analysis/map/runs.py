@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +24,8 @@ class Run:
     split: np.ndarray  # str
     index: np.ndarray
     source: np.ndarray  # str
-    prompt: object  # pyarrow.ChunkedArray
-    response: object
+    prompt: Any  # pyarrow.ChunkedArray
+    response: Any
 
     def keys(self, stride: int) -> np.ndarray:
         """(split, index) as one integer per row; `stride` must exceed every index of the runs compared."""
@@ -84,12 +85,11 @@ def check_columns(table, file: Path) -> None:
     source, no missing values."""
     import pyarrow as pa
 
-    kinds = {"prompt": ("text", pa.types.is_string, pa.types.is_large_string),
-             "response": ("text", pa.types.is_string, pa.types.is_large_string),
-             "split": ("text", pa.types.is_string, pa.types.is_large_string),
-             "index": ("integers", pa.types.is_integer), "n_tokens": ("integers", pa.types.is_integer),
-             "loss": ("numbers", pa.types.is_floating, pa.types.is_integer)}
-    for name, (wanted, *accepts) in kinds.items():
+    text = ("text", (pa.types.is_string, pa.types.is_large_string))
+    kinds = {"prompt": text, "response": text, "split": text,
+             "index": ("integers", (pa.types.is_integer,)), "n_tokens": ("integers", (pa.types.is_integer,)),
+             "loss": ("numbers", (pa.types.is_floating, pa.types.is_integer))}
+    for name, (wanted, accepts) in kinds.items():
         column = table.column(name)
         if not any(accept(column.type) for accept in accepts):
             raise UserError(f"{file}: column {name!r} holds {column.type}, not {wanted}; is this inference.py output?")

@@ -15,17 +15,18 @@ in the config; never the loop.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.training.objectives.causal_lm import CausalLM
 from gpt4all_training.training.objectives.dpo import DirectPreference
 from gpt4all_training.training.objectives.protocol import Objective
 from gpt4all_training.training.objectives.sft import FineTuning
 
-OBJECTIVES: dict[str, Callable[[Any], Objective]] = {"sft": FineTuning, "causal_lm": CausalLM,
+OBJECTIVES: dict[str, Callable[[TrainConfig], Objective]] = {"sft": FineTuning, "causal_lm": CausalLM,
                                                      "dpo": DirectPreference}
 
 
-def objective_for(config) -> Objective:
+def objective_for(config: TrainConfig) -> Objective:
     """The objective `config.objective` names, built for this config."""
     return OBJECTIVES[config.objective](config)

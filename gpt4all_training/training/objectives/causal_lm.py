@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpt4all_training.batch import trained_token_count
+from gpt4all_training.config.blocks import Objective
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.batching import fetch_rows
 from gpt4all_training.data.records import iter_records, record_text
 from gpt4all_training.data.sampling import StepSampler, row_sampler
@@ -27,20 +29,20 @@ class CausalLM:
     reference_copies = 0
     shows_examples = False
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: Objective) -> None:
         self.fetch = fetch_rows
         self.loss = CausalLMLoss(config.z_loss)
         self.count = trained_token_count
         self.validation = TokenValidation()
 
-    def load_data(self, config, tokenizer, log, world_size: int) -> Data:
+    def load_data(self, config: TrainConfig, tokenizer, log, world_size: int) -> Data:
         (train, val), (train_stats, val_stats) = load_pretrain_data(config, tokenizer, log, world_size=world_size)
         return Data(train, val, train_stats, val_stats, None if train.streaming else train.fingerprint())
 
-    def build_model(self, config, tokenizer, backend):
+    def build_model(self, config: TrainConfig, tokenizer, backend):
         return build_training_model(config, tokenizer, backend)  # init from_config: random, seeded by the caller
 
-    def sampler(self, config, data: Data, world_size: int, rank: int) -> StepSampler:
+    def sampler(self, config: TrainConfig, data: Data, world_size: int, rank: int) -> StepSampler:
         return row_sampler(data.train, config.batch_size, world_size, rank, config.gradient_accumulation_steps,
                            config.seed, config.max_steps)
 
@@ -59,7 +61,7 @@ class CausalLM:
     def window_metrics(self, backend) -> dict[str, float]:
         return self.loss.window_metrics(backend)  # train/last_loss, train/z_loss (a collective)
 
-    def plan_counts(self, config, data: Data, sampler, total_steps: int) -> DataPlan:
+    def plan_counts(self, config: TrainConfig, data: Data, sampler, total_steps: int) -> DataPlan:
         """Rows are all max_length long and trained but their first position. A stream is read through once to
         count a pass's rows (training does not: it runs max_steps)."""
         store, stats = data.train, data.train_stats
@@ -77,9 +79,10 @@ class CausalLM:
                         notes=[f"causal_lm: examples are rows of {config.max_length} tokens, all trained but the "
                                f"first"])
 
-    def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
+    def scan_records(self, config: TrainConfig, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
         """Every record has text; the first records with text_factor x max_length characters are the sample (two
         rows or more). A stream is read up to `stream_limit` records: it may be larger than any check should read."""
+        assert config.dataset_path is not None  # validate() refuses a config without it
         sample, count, chars = [], 0, 0
         for where, record in iter_records(config.dataset_path, config.revision):
             text = record_text(where, record, config.text_field)

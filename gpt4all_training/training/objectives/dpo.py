@@ -3,10 +3,13 @@ a reference (preference.py beside this); the step's loss is a mean over pairs, n
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gpt4all_training.config.blocks import DataSource
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.cache import cache_entry, cached_splits
 from gpt4all_training.data.pairs import (fetch_pairs, load_pair_data, load_preference_records, pair_count,
                                          preference_rows)
@@ -31,17 +34,19 @@ class DirectPreference:
     shows_examples = False
     sampler = staticmethod(example_sampler)
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.fetch = fetch_pairs
         self.count = pair_count
         self.reference = reference_kind(config)
         self.reference_copies = int(self.reference == "frozen_copy")
-        self.loss = PreferenceLoss(PreferenceSettings.of(config), REFERENCES.get(self.reference))
+        self.loss = PreferenceLoss(PreferenceSettings.of(config),
+                                   REFERENCES.get(self.reference) if self.reference is not None else None)
         self.validation = PairValidation(self.loss)
-        self.entry = None  # the tokenized data's cache entry: a precomputed reference is kept in it
+        self.entry: Path | None = None  # the tokenized data's cache entry: a precomputed reference is kept in it
 
-    def load_data(self, config, tokenizer, log, world_size: int) -> Data:
+    def load_data(self, config: TrainConfig, tokenizer, log, world_size: int) -> Data:
+        assert config.dataset_path is not None  # validate() refuses a config without it
         records = load_preference_records(config.dataset_path, config.revision)
         fingerprint = records_fingerprint(records, PAIR_FIELDS)
         self.entry = cache_entry(config, tokenizer, fingerprint)
@@ -49,7 +54,7 @@ class DirectPreference:
             config, tokenizer, fingerprint, lambda: load_pair_data(config, tokenizer, records), log)
         return Data(train, val, train_stats, val_stats, fingerprint)
 
-    def build_model(self, config, tokenizer, backend):
+    def build_model(self, config: TrainConfig, tokenizer, backend):
         return build_training_model(config, tokenizer, backend, dropout_off=True)
 
     def before_training(self, model, data: Data, backend, pad_id: int, log) -> None:
@@ -67,7 +72,7 @@ class DirectPreference:
     def window_metrics(self, backend) -> dict[str, float]:
         return self.loss.window_metrics(backend)  # rewards/*, logps/* (a collective)
 
-    def plan_counts(self, config, data: Data, sampler, total_steps: int) -> DataPlan:
+    def plan_counts(self, config: TrainConfig, data: Data, sampler, total_steps: int) -> DataPlan:
         """A pair's tokens are both answers'; a micro-batch of B pairs is 2B rows padded to its longest answer."""
         train = data.train
         lengths = np.asarray(train["length"], dtype=np.int64)
@@ -97,10 +102,12 @@ class DirectPreference:
                 f"training then holds no reference model (reference: frozen_copy would hold a second fp32 copy of "
                 f"the weights, 4 bytes per parameter, in every process)")
 
-    def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
+    def scan_records(self, config: DataSource, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
         """Every record has a prompt, a chosen and a rejected answer, all text or all messages; the first
         `sample_size` pairs training keeps are the sample."""
-        sample, count, shapes = [], 0, set()
+        assert config.dataset_path is not None  # validate() refuses a config without it
+        sample: list[dict[str, Any]] = []
+        count, shapes = 0, set()
         for _, row in preference_rows(config.dataset_path, config.revision):
             count += 1
             shapes.add("messages" if isinstance(row["chosen"], list) else "text")

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt4all_training.batch import IGNORE
+from gpt4all_training.config.blocks import ModelSource, Preference
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.cache import entry_problem, load_arrays, write_arrays
 from gpt4all_training.data.pairs import REFERENCE_COLUMNS, fetch_pairs
 from gpt4all_training.errors import UserError
@@ -51,7 +53,7 @@ class PreferenceSettings:
     simpo_gamma: float
 
     @classmethod
-    def of(cls, config) -> "PreferenceSettings":
+    def of(cls, config: Preference) -> PreferenceSettings:
         return cls(config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma)
 
 
@@ -85,6 +87,7 @@ def pair_losses(policy: torch.Tensor, reference: Optional[torch.Tensor], lengths
         margin = chosen - rejected - settings.simpo_gamma
         losses = -(1 - smoothing) * F.logsigmoid(margin) - smoothing * F.logsigmoid(-margin)
         return PairTerms(losses, chosen.detach(), rejected.detach(), pi_c.detach(), pi_r.detach())
+    assert reference is not None  # only simpo has none
     ref_c, ref_r = reference.to(policy).chunk(2)
     ratio_c, ratio_r = pi_c - ref_c, pi_r - ref_r
     if settings.loss_type == "ipo":
@@ -131,7 +134,7 @@ class FrozenCopy:
             return sequence_logps(self.model, batch)
 
 
-def reference_kind(config) -> Optional[str]:
+def reference_kind(config: TrainConfig) -> Optional[str]:
     """Where the reference log-probabilities come from: "adapter" (LoRA: the base with the adapter disabled),
     "precomputed" or "frozen_copy" (full fine-tuning, by `reference`), or None (simpo has no reference)."""
     if config.loss_type == "simpo":
@@ -235,13 +238,14 @@ def model_files(name: str) -> list[tuple[str, int, int]]:
     return found
 
 
-def reference_key(config) -> str:
+def reference_key(config: ModelSource) -> str:
     """What decides the precomputed log-probabilities besides the tokenized pairs: the model and its files, the
     compute dtype, and the versions of the code that scores them."""
     import transformers
 
+    assert config.model_name is not None  # validate() refuses a config without it
     code = hashlib.sha256()
-    for source in (inspect.getsourcefile(sequence_logps), __file__):  # training/loss.py and this module
+    for source in (inspect.getfile(sequence_logps), __file__):  # training/loss.py and this module
         code.update(Path(source).read_bytes())
     described = {"model": [config.model_name, config.model_revision, config.gguf_file, model_files(config.model_name)],
                  "dtype": config.dtype, "code": code.hexdigest(),
@@ -249,20 +253,21 @@ def reference_key(config) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def attach_reference(data, model, backend, config, pad_id: int, entry: Optional[Path], log) -> None:
+def attach_reference(data, model, backend, config: TrainConfig, pad_id: int, entry: Optional[Path], log) -> None:
     """Add the reference log-probabilities of the initial weights to the train and validation pairs (columns
     REFERENCE_COLUMNS), from the cache entry of the tokenized data when it has them, else computed now and saved
     there. Runs before a resume loads its checkpoint, so `model` still holds the initial weights either way."""
     folder = entry / f"reference-{reference_key(config)}" if entry is not None else None
     cached = folder is not None and entry_problem(folder) is None
     if not backend.any_rank(not cached):  # every rank must take part in a computation, or none
+        assert folder is not None  # cached
         arrays = load_arrays(folder)
         log(f"reference log-probabilities: cache hit ({folder})")
     else:
         arrays = {name: reference_logps(model, split, backend, config.batch_size, pad_id)
                   for name, split in (("train", data.train), ("validation", data.val))}
         saved = "not saved (the tokenized data is not cached)"
-        if backend.is_main_process and entry is not None and entry_problem(entry) is None:
+        if backend.is_main_process and folder is not None and entry is not None and entry_problem(entry) is None:
             try:
                 write_arrays(folder, arrays)
                 saved = f"saved to {folder}"

@@ -11,6 +11,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.training.counts import DataPlan
 from gpt4all_training.training.evaluate import Validation
 
@@ -41,19 +42,32 @@ class RecordScan:
 
 @runtime_checkable
 class TrainingObjective(Protocol):
-    """What train() asks of an objective, in the order it asks."""
+    """What train() asks of an objective, in the order it asks. (The callables are read-only properties here so that
+    an objective may hold any callable of that shape, a function or an object, as a plain attribute.)"""
     name: str
-    loss: Callable[[Any, Batch], torch.Tensor]  # a micro-batch's loss, summed over what `count` counts
-    count: Callable[[Batch], int]  # what the loss sums over (trained tokens, pairs): the step divides by its total
-    validation: Validation  # what validation measures
 
-    def load_data(self, config, tokenizer, log: Callable[[str], Any], world_size: int) -> Data: ...
+    @property
+    def loss(self) -> Callable[[Any, Batch], torch.Tensor]:
+        """A micro-batch's loss, summed over what `count` counts."""
+        ...
 
-    def build_model(self, config, tokenizer, backend) -> torch.nn.Module:
+    @property
+    def count(self) -> Callable[[Batch], int]:
+        """What the loss sums over (trained tokens, pairs): the step divides by its total."""
+        ...
+
+    @property
+    def validation(self) -> Validation:
+        """What validation measures."""
+        ...
+
+    def load_data(self, config: TrainConfig, tokenizer, log: Callable[[str], Any], world_size: int) -> Data: ...
+
+    def build_model(self, config: TrainConfig, tokenizer, backend) -> torch.nn.Module:
         """The model the run trains, assembled by model/build.py (its base, adapter, checkpointing, counts)."""
         ...
 
-    def sampler(self, config, data: Data, world_size: int, rank: int):
+    def sampler(self, config: TrainConfig, data: Data, world_size: int, rank: int):
         """Which examples each rank takes at each step (data/sampling.py's StepSampler)."""
         ...
 
@@ -89,9 +103,10 @@ class ObjectiveChecks(Protocol):
     reference_copies: int  # frozen copies of the weights kept besides the trained model, for the memory estimate
     shows_examples: bool  # `data` can show and dump its examples (data/sft.py's prompt/response or conversations)
 
-    def plan_counts(self, config, data: Data, sampler, total_steps: int) -> DataPlan: ...
+    def plan_counts(self, config: TrainConfig, data: Data, sampler, total_steps: int) -> DataPlan: ...
 
-    def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan: ...
+    def scan_records(self, config: TrainConfig, sample_size: int, text_factor: int,
+                     stream_limit: int) -> RecordScan: ...
 
     def dry_run_size(self, summary: dict[str, Any], sample: list[dict[str, Any]]) -> str:
         """What the dry run trained on, for its line ("2 examples")."""

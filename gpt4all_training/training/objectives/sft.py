@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 
 from gpt4all_training.batch import trained_token_count
+from gpt4all_training.config.blocks import DataSource, Examples
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.batching import batch_fetcher
 from gpt4all_training.data.cache import cached_splits
 from gpt4all_training.data.conversations import conversation_problem
@@ -45,20 +47,21 @@ class FineTuning:
     shows_examples = True
     sampler = staticmethod(example_sampler)
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: TrainConfig) -> None:
         self.fetch = batch_fetcher(config.packing, config.max_length)
         self.loss = token_loss_sum
         self.count = trained_token_count
         self.validation = TokenValidation()
 
-    def load_data(self, config, tokenizer, log, world_size: int) -> Data:
+    def load_data(self, config: TrainConfig, tokenizer, log, world_size: int) -> Data:
+        assert config.dataset_path is not None  # validate() refuses a config without it
         records = load_records(config.dataset_path, config.revision)
         fingerprint = records_fingerprint(records)
         (train, val), (train_stats, val_stats) = cached_splits(config, tokenizer, fingerprint,
                                                                lambda: load_data(config, tokenizer, records), log)
         return Data(train, val, train_stats, val_stats, fingerprint)
 
-    def build_model(self, config, tokenizer, backend):
+    def build_model(self, config: TrainConfig, tokenizer, backend):
         return build_training_model(config, tokenizer, backend)
 
     def before_training(self, model, data: Data, backend, pad_id: int, log) -> None:
@@ -73,16 +76,18 @@ class FineTuning:
     def window_metrics(self, backend) -> dict[str, float]:
         return {}
 
-    def plan_counts(self, config, data: Data, sampler, total_steps: int) -> DataPlan:
+    def plan_counts(self, config: Examples, data: Data, sampler, total_steps: int) -> DataPlan:
         lengths = np.asarray(data.train["length"], dtype=np.int64)
         n_trained = np.asarray(data.train["n_trained"], dtype=np.int64)
         run = count_run_tokens(run_layout(sampler, total_steps), lengths, n_trained, config.max_length)
         return example_plan(data, sampler, total_steps, run)
 
-    def scan_records(self, config, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
+    def scan_records(self, config: DataSource, sample_size: int, text_factor: int, stream_limit: int) -> RecordScan:
         """Every record has a prompt and a response, or a list of messages; the first `sample_size` that training
         keeps (a response, or a well-formed conversation) are the sample."""
-        sample, count, shapes = [], 0, set()
+        assert config.dataset_path is not None  # validate() refuses a config without it
+        sample: list[dict[str, Any]] = []
+        count, shapes = 0, set()
         for where, record in finetune_records(config.dataset_path):
             if "messages" in record:
                 if not isinstance(record["messages"], list):

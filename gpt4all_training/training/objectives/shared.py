@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.sampling import StepSampler
 from gpt4all_training.training.counts import DataPlan, TokenCounts
 from gpt4all_training.training.objectives.protocol import Data
 
 
-def example_sampler(config, data: Data, world_size: int, rank: int) -> StepSampler:
+def example_sampler(config: TrainConfig, data: Data, world_size: int, rank: int) -> StepSampler:
     """The sampler over a tokenized split of examples (sft's examples, dpo's pairs), grouped by their `length`
     column when group_by_length."""
     return StepSampler(len(data.train), config.batch_size, world_size, rank, config.gradient_accumulation_steps,
