@@ -22,20 +22,28 @@
 # The out dir gets results.json, results.md, log.txt and ours_metrics.jsonl (the run's own per-step rows).
 # --skip leaves stages out (the report says "not run"), to spend a short lease on what is not yet measured.
 #
+#   bash bench/gpu.sh --qlora [--out DIR]     # (with --dry-run: tiny sizes on a CPU)
+# runs instead, under a budget of its own, bench/qlora.py's GPU rows: a Llama-3-8B-shaped model built from its
+# config (random bf16 weights) trained as QLoRA (4-bit nf4 base, LoRA r=16 on every linear layer, 2048 tokens per
+# micro-batch, activation checkpointing) by ours and by TRL's SFTTrainer: tokens/s and peak GPU memory (target: under
+# 24 GB), in DIR/qlora_ours.json and DIR/qlora_trl.json. Needs bitsandbytes on the machine (requirements.txt's pin).
+#
 # On the GPU machine, wheels in .whl/ (trl, datasets and the datasets dependencies that machine lacks) are installed
 # first into /tmp/site; carry .whl with the call. The dry run installs nothing: a row whose package is missing is
 # recorded as skipped (trl) or as an error.
 set -uo pipefail
 
 dry_run=0
+qlora=0
 skip=,
 out=${OUT:-bench_gpu_out}
 while (($#)); do
   case $1 in
     --dry-run) dry_run=1; shift ;;
+    --qlora) qlora=1; shift ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --skip) skip=,${2:?--skip needs stage names, comma-separated},; shift 2 ;;
-    *) echo "error: unknown argument $1; use --dry-run, --out DIR and --skip STAGE,..." >&2; exit 2 ;;
+    *) echo "error: unknown argument $1; use --dry-run, --qlora, --out DIR and --skip STAGE,..." >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
@@ -615,6 +623,17 @@ if __name__ == "__main__":
     main()
 PY
 
+if ((qlora)); then
+  size=8b
+  ((dry_run)) && size=dry-run
+  say "QLoRA GPU benchmark, $size: results in $out, budget ${budget} s"
+  for row in prepare ours trl; do
+    stage "qlora_$row" 240 "$python" bench/qlora.py --gpu-row $row --size $size --work "$work"
+    [[ -f $work/qlora_$row.json ]] && cp "$work/qlora_$row.json" "$out/"
+  done
+  say "done in $SECONDS s"
+  exit 0
+fi
 say "GPU benchmark, $mode: results in $out, budget ${budget} s"
 stage hardware 90 "$python" "$work/bench.py" hardware "$work" "$mode"
 stage cuda_tests 120 "$python" -m pytest -q -p no:cacheprovider --junitxml="$work/cuda_tests.xml" tests/test_cuda.py

@@ -10,10 +10,12 @@
 5. measure the fine-tuned model the same way;
 6. preference-tune the fine-tuned model (objective dpo, demo/dpo.yaml: a new LoRA adapter, the fine-tuned model as
    its reference) on generated pairs, each task's correct answer chosen over a wrong one, and measure it again;
-7. score the training data with inference.py after fine-tuning and draw the map of it (coloured by loss);
-8. curate: drop near-duplicates (MiniLM embeddings) and the examples whose loss after training is highest, retrain
+7. reinforcement-learn from rewards (objective grpo, demo/grpo.yaml: a new LoRA adapter on the fine-tuned model):
+   sample answers to generated single tasks, reward the exact answer, and measure it again;
+8. score the training data with inference.py after fine-tuning and draw the map of it (coloured by loss);
+9. curate: drop near-duplicates (MiniLM embeddings) and the examples whose loss after training is highest, retrain
    on what is left, and measure again;
-9. export the fine-tuned model as a GGUF file (chat template inside) and an Ollama Modelfile.
+10. export the fine-tuned model as a GGUF file (chat template inside) and an Ollama Modelfile.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ import shutil
 import time
 from pathlib import Path
 
-from demo.tasks import exact_match, write_conversation_splits, write_preference_pairs
+from demo.tasks import exact_match, write_conversation_splits, write_preference_pairs, write_reward_prompts
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EVAL_TASKS = ("gpt4all_arithmetic_choice", "gpt4all_last_word", "gpt4all_exact_match")
 EVAL_LIMIT = 12  # examples per task: enough to see the change, kept small for the 15-minute budget
+GRPO_PROMPTS = 16  # prompts of the grpo stage, 4 a step: kept small for the 15-minute budget
 
 
 def smollm2_gguf() -> Path:
@@ -89,6 +92,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=16, help="training conversations planted twice")
     parser.add_argument("--swapped", type=int, default=16, help="training conversations given a wrong last answer")
     parser.add_argument("--dpo-pairs", type=int, default=48, help="preference pairs of the dpo stage")
+    parser.add_argument("--grpo-prompts", type=int, default=GRPO_PROMPTS, help="prompts of the grpo stage")
     args = parser.parse_args()
 
     import torch
@@ -103,6 +107,7 @@ def main() -> None:
     from gpt4all_training.evaluation.results import comparison_table
     from gpt4all_training.export.hf import export
     from gpt4all_training.model.loading import load_tokenizer
+    from gpt4all_training.tracking.tracker import read_metrics
     from gpt4all_training.training.loop import train
 
     started = time.perf_counter()
@@ -158,7 +163,19 @@ def main() -> None:
           f"{dpo_summary['val_pairs']}; exact match, second turn: {after['second_turn']:.1%} before dpo, "
           f"{preferred['second_turn']:.1%} after")
 
-    step("7. inference over the training data after fine-tuning, and the map", started)
+    step("7. reinforcement learning (grpo) of the fine-tuned model: the exact answer rewarded", started)
+    prompts_raw = write_reward_prompts(out, args.grpo_prompts, seed=2, held_out=held_out)
+    print_report(clean([str(prompts_raw)], out / "prompts", prompts=True))
+    grpo_config = load_config("demo/grpo.yaml", [f"model_name={merged}", f"dataset_path={out / 'prompts'}",
+                                                 f"output_dir={out / 'grpo'}"])
+    grpo_summary = train(grpo_config)
+    rewarded = turn_accuracy(str(out / "grpo" / "final" / "merged"), tokenizer, test)
+    grpo_rows = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "reward" in r]
+    print(f"grpo: mean reward {grpo_rows[0]['reward']:.1%} at step 1, {grpo_rows[-1]['reward']:.1%} at step "
+          f"{grpo_rows[-1]['step']}; exact match, second turn: {after['second_turn']:.1%} before grpo, "
+          f"{rewarded['second_turn']:.1%} after")
+
+    step("8. inference over the training data after fine-tuning, and the map", started)
     # One pass, of the fine-tuned model: its per-example losses are what curate reads. (`build_map --compare` would
     # colour the change from a second pass of the base model, which costs the time of a training run here.)
     scored = out / "inference" / "after"
@@ -168,7 +185,7 @@ def main() -> None:
                                   output_dir=str(scored)))
     map_result = build_map(scored, out / "map.html")
 
-    step("8. curate (near-duplicates, highest losses), retrain on the curated set", started)
+    step("9. curate (near-duplicates, highest losses), retrain on the curated set", started)
     report = curate(scored, out / "curated", CurateOptions(near_duplicates=0.99, loss_above=0.9))
     print(f"curate: read {report['read']}, kept {report['kept']}, dropped {report['dropped']}")
     planted = planted_wrong_answers(train_raw, args.swapped)
@@ -181,17 +198,17 @@ def main() -> None:
     curated_summary = train(curated_config)
     curated = turn_accuracy(str(out / "run_curated" / "final" / "merged"), tokenizer, test)
 
-    step("9. export as GGUF (Q8_0) for GPT4All, llama.cpp and Ollama", started)
+    step("10. export as GGUF (Q8_0) for GPT4All, llama.cpp and Ollama", started)
     files = export(str(merged), str(out / "smollm2-135m-demo"), "gguf", "q8_0")
     gguf = next(f for f in files if f.suffix == ".gguf")
 
     step("done", started)
     rows = (("base model", before), ("fine-tuned", after), ("fine-tuned, then dpo", preferred),
-            ("fine-tuned on the curated set", curated))
+            ("fine-tuned, then grpo", rewarded), ("fine-tuned on the curated set", curated))
     print(f"exact match on {len(test)} held-out conversations:")
     for name, result in rows:
         print(f"  {name:30} first turn {result['first_turn']:6.1%}  second turn {result['second_turn']:6.1%}")
-    print("second turn by family (base -> fine-tuned -> dpo -> curated):")
+    print("second turn by family (base -> fine-tuned -> dpo -> grpo -> curated):")
     for family in after["second_turn_by_family"]:
         print(f"  {family:16} " + " -> ".join(f"{r['second_turn_by_family'][family]:6.1%}" for _, r in rows))
     print(f"validation loss: fine-tuned {summary.get('val_loss', float('nan')):.4f}, curated "
@@ -199,6 +216,9 @@ def main() -> None:
     print(f"dpo: {dpo_summary['steps']} steps, held-out reward accuracy {dpo_summary['val_rewards/accuracies']:.1%}, "
           f"margin {dpo_summary['val_rewards/margins']:.3f}; its loss curves and rewards: "
           f"{out / 'dpo' / 'report.html'}")
+    print(f"grpo: {grpo_summary['steps']} steps, mean reward {grpo_rows[0]['reward']:.1%} -> "
+          f"{grpo_rows[-1]['reward']:.1%}, {sum(r['generation_seconds'] for r in grpo_rows):.0f} s of it sampling; "
+          f"its rewards, KL and completion lengths: {out / 'grpo' / 'report.html'}")
     print(f"loss curves: {out / 'run' / 'report.html'}")
     print(f"map of the training data (loss after fine-tuning): {map_result.html}")
     print(f"curation report: {out / 'curated' / 'curate_report.json'}")
@@ -213,6 +233,8 @@ def main() -> None:
         "val_loss": summary.get("val_loss"), "curated_val_loss": curated_summary.get("val_loss"),
         "dpo": {key: dpo_summary.get(key) for key in ("steps", "val_loss", "val_rewards/accuracies",
                                                       "val_rewards/margins", "val_pairs")},
+        "grpo": {"steps": grpo_summary["steps"], "reward_first_step": grpo_rows[0]["reward"],
+                 "reward_last_step": grpo_rows[-1]["reward"]},
         "seconds": round(time.perf_counter() - started, 1), "gguf": str(gguf), "map": str(map_result.html)},
         indent=2, default=str))
 

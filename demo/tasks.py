@@ -97,3 +97,22 @@ def write_preference_pairs(out_dir: Path, n_pairs: int, seed: int, held_out: set
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def write_reward_prompts(out_dir: Path, n_prompts: int, seed: int, held_out: set[str]) -> Path:
+    """raw/prompts.jsonl: `n_prompts` single tasks, the families in turn, each a prompt (the system message and the
+    task) with its `answer` for the exact-match reward; no prompt is one of `held_out` or repeats."""
+    rng = random.Random(seed)
+    names, rows, seen = list(FAMILIES), [], set(held_out)
+    while len(rows) < n_prompts:
+        family = names[len(rows) % len(names)]
+        prompt, answer = FAMILIES[family](rng)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append({"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+                     "answer": answer, "source": family})
+    path = out_dir / "raw" / "prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path

@@ -25,7 +25,7 @@ for key, value in {
 
 from support.files import dolly_texts  # noqa: E402
 from support.models import (CHAT_TEMPLATE, LLAMA2_CHAT_TEMPLATE, SMOLLM2_GGUF, build_tiny_gptj,  # noqa: E402
-                            smollm2_folder)
+                            build_tiny_llama, smollm2_folder)
 from support.shared import built_once, shared_fixture_folder  # noqa: E402
 
 
@@ -106,6 +106,16 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
         tokenizer.save_pretrained(path)
 
     return shared_fixture_folder(tmp_path_factory, "tiny-gptj", build)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 2-layer, width-64 Llama (support/models.py) with the session tokenizer, saved as a local model folder."""
+    def build(path: Path) -> None:
+        build_tiny_llama(tokenizer).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+    return shared_fixture_folder(tmp_path_factory, "tiny-llama", build)
 
 
 @pytest.fixture(scope="session")

@@ -405,7 +405,7 @@ def test_message_pairs_are_conversations_trained_on_the_answer_only(chat_tokeniz
 # ---------------------------------------------------------------- refusals and bad data
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(objective="sft", beta=0.2), "beta: only objective dpo reads it; remove it or set objective: dpo"),
+    (dict(objective="sft", beta=0.2), "beta: only objectives dpo and grpo read it; remove it"),
     (dict(loss_type="ipo", label_smoothing=0.1), "label_smoothing: ipo defines no label smoothing; set 0"),
     (dict(simpo_gamma=1.0), "simpo_gamma: only loss_type simpo reads it; remove it"),
     (dict(lora=True, reference="frozen_copy"),
@@ -415,7 +415,8 @@ def test_message_pairs_are_conversations_trained_on_the_answer_only(chat_tokeniz
     (dict(z_loss=1e-4), "z_loss: dpo has no next-token loss to add it to; set 0"),
     (dict(beta=0.0), "beta: must be > 0"),
     (dict(label_smoothing=0.5), "label_smoothing: must be in [0, 0.5)"),
-    (dict(loss_type="orpo"), "loss_type: must be 'sigmoid', 'ipo' or 'simpo'"),
+    (dict(loss_type="orpo"), "loss_type: must be for dpo 'sigmoid', 'ipo' or 'simpo'; for grpo"),
+    (dict(loss_type="dapo"), "loss_type: objective dpo takes 'sigmoid', 'ipo' or 'simpo', got 'dapo'"),
 ])
 def test_settings_without_effect_or_out_of_range_are_one_line(overrides, message, tmp_path):
     with pytest.raises(UserError) as refused:

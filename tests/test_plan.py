@@ -135,7 +135,8 @@ def test_command_prints_plan_and_time(tiny_model_dir, varied_pairs, tmp_path, ca
     config.write_text(f"model_name: {tiny_model_dir}\ndataset_path: {varied_pairs}\noutput_dir: {tmp_path / 'o'}\n"
                       f"max_length: 32\nbatch_size: 2\ngradient_accumulation_steps: 2\nval_fraction: 0.1\n"
                       f"seed: 3\nnum_proc: 1\nwarmup_steps: 0\nlora: true\nsave_every: 2\nkeep_last: 1\n")
-    assert run(argparse.Namespace(config=str(config), gpus=2, tokens_per_second=1000.0, overrides=[])) == 0
+    assert run(argparse.Namespace(config=str(config), gpus=2, tokens_per_second=1000.0, gpu_memory=None,
+                                  overrides=[])) == 0
     out = capsys.readouterr().out
     plan = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path / "o", batch_size=2,
                                 gradient_accumulation_steps=2, warmup_steps=0, lora=True, save_every=2,

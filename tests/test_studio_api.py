@@ -10,9 +10,11 @@ The whole path in a real browser, with real runs, is tests/test_studio_e2e.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,8 +32,9 @@ from gpt4all_training.cli.main import main
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.studio.app import StudioSettings, create_app
-from gpt4all_training.studio.configs import ACCELERATE_DIR, PRESETS_DIR
-from gpt4all_training.studio.runs import RECORD_FILE, Launch, commands, overlapping, run_info
+from gpt4all_training.studio import actions
+from gpt4all_training.studio.configs import ACCELERATE_DIR, EVAL_SUITE_DIR, PRESETS_DIR
+from gpt4all_training.studio.runs import RECORD_FILE, Launch, RunConflict, Runs, commands, overlapping, run_info
 from gpt4all_training.studio.supervise import EXIT_FILE, LOG_FILE
 from gpt4all_training.studio.workdir import Workdir
 
@@ -202,7 +205,7 @@ def test_an_unknown_key_and_an_output_dir_outside_runs_are_refused(client):
 # ---------------------------------------------------------------- confinement, keys, other sites
 
 
-def test_paths_outside_the_workdir_are_403_and_nothing_is_written(client, workdir, tmp_path):
+def test_paths_outside_the_workdir_are_403_and_nothing_is_written(client, workdir, cleaned, tmp_path):
     outside = tmp_path / "outside"
     (workdir / "data" / "link").symlink_to(tmp_path)
     requests = [
@@ -223,6 +226,9 @@ def test_paths_outside_the_workdir_are_403_and_nothing_is_written(client, workdi
         assert response.json()["error"].startswith(f"error: {named}"), response.json()
     for name in ("/etc/hostname", "data/link/anything"):
         assert client.get(f"/files/{name}").status_code == 403
+    for upload in ("../outside.jsonl", str(outside / "x.jsonl"), "data/link/x.jsonl"):
+        response = client.post("/api/upload", params={"path": upload}, content=b'{"text": "x"}\n')
+        assert (response.status_code, response.json()["error"].startswith(f"error: path {upload}")) == (403, True)
     assert not outside.exists() and not (workdir / "data" / "x").exists()
 
 
@@ -253,7 +259,7 @@ def test_requests_for_another_host_or_from_another_site_are_403(client):
 # ---------------------------------------------------------------- jobs and runs with bad input
 
 
-def test_jobs_refuse_bad_input_at_once_or_fail_with_the_clis_line(client, workdir):
+def test_jobs_refuse_bad_input_at_once_or_fail_with_the_clis_line(client, workdir, cleaned):
     assert client.post("/api/jobs/export", json={"source": "models/tiny", "to": "exports/x", "format": "zip"}
                        ).json() == {"error": "error: format: must be hf or gguf, got 'zip'"}
     assert client.post("/api/jobs/eval", json={"models": ["models/tiny"], "tasks": [], "name": "x"}
@@ -276,6 +282,15 @@ def test_jobs_refuse_bad_input_at_once_or_fail_with_the_clis_line(client, workdi
     assert response.status_code == 400 and response.json()["error"].startswith("error: messages.0.role")
 
 
+def test_an_evaluation_runs_on_the_studios_device_and_its_command_says_so(workdir):
+    commands, _ = actions.eval_job(Workdir(workdir), ["models/tiny", "runs/x/final"], ["gpt4all_arithmetic_choice"],
+                                   "device", limit=2, device="cpu")
+    assert commands == [f"gpt4all-training eval --model {model} --tasks gpt4all_arithmetic_choice --include-path "
+                        f"{EVAL_SUITE_DIR} --limit 2 --device cpu --output eval/device/{label}{compare}"
+                        for model, label, compare in (("models/tiny", "before", ""), ("runs/x/final", "after",
+                                                      " --compare eval/device/before/results.json"))]
+
+
 def test_a_run_of_an_invalid_or_missing_config_is_refused(client):
     assert client.post("/api/runs", json={"config": "configs/none.yaml"}).json()["error"] == (
         "error: config configs/none.yaml: file not found; pass an existing YAML file to --config")
@@ -284,6 +299,44 @@ def test_a_run_of_an_invalid_or_missing_config_is_refused(client):
     response = client.post("/api/runs", json={"config": "configs/api.yaml", "devices": "gpu0"})
     assert response.json()["error"].startswith("error: devices 'gpu0'")
     assert client.post("/api/runs/none/stop").json()["error"] == "error: run none: no such run in runs/"
+
+
+def test_a_second_run_while_one_is_running_is_409_and_starts_nothing(client, workdir, cleaned):
+    """A run on device 0 whose supervisor is alive (a real process, named by its record as the studio writes it):
+    starting it again, or another run on the same device, is refused; the list shows it running."""
+    import psutil
+
+    for name, output_dir in (("api", "runs/api"), ("other", "runs/other")):
+        saved = client.post("/api/configs", json={"name": name, "values": values(output_dir=output_dir, max_steps=7)})
+        assert saved.status_code == 200, saved.text
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    busy = workdir / "runs" / "api"
+    try:
+        busy.mkdir(parents=True)
+        launch = dataclasses.asdict(Launch("configs/api.yaml", devices="0"))
+        (busy / RECORD_FILE).write_text(json.dumps({
+            "pid": sleeper.pid, "create_time": psutil.Process(sleeper.pid).create_time(), "config": "configs/api.yaml",
+            "command": "gpt4all-training train --config configs/api.yaml", "launch": launch}))
+        assert {run["name"]: run["state"] for run in client.get("/api/runs").json()["runs"]}["api"] == "running"
+        response = client.post("/api/runs", json={"config": "configs/api.yaml"})
+        assert (response.status_code, response.json()) == (409, {
+            "error": "error: run api: already running; stop it first"})
+        for devices in ("", "0", "1,0"):
+            response = client.post("/api/runs", json={"config": "configs/other.yaml", "devices": devices})
+            assert (response.status_code, response.json()) == (409, {
+                "error": "error: run api is running on 0: one run at a time per device; stop it, choose other "
+                         "devices, or allow concurrent runs"})
+        assert not (workdir / "runs" / "other").exists() and sorted(p.name for p in busy.iterdir()) == [RECORD_FILE]
+        runs = Runs(Workdir(workdir))  # what would start (without starting it): other devices, or when asked
+        for beside in (Launch("configs/other.yaml", devices="1"), Launch("configs/other.yaml", allow_concurrent=True)):
+            assert runs.check_conflicts(beside, "other") is None
+        with pytest.raises(RunConflict):
+            runs.check_conflicts(Launch("configs/api.yaml", allow_concurrent=True), "api")  # never the same run twice
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        shutil.rmtree(busy)
+        (workdir / "configs" / "other.yaml").unlink(missing_ok=True)
 
 
 def test_device_sets_overlap_unless_both_name_different_devices():
@@ -363,10 +416,15 @@ def test_a_run_is_started_as_the_cli_under_python_or_accelerate_launch():
     assert shown == ["gpt4all-training", "train", "--config", "configs/a.yaml"]
     assert argv == [sys.executable, "-m", "gpt4all_training.cli", "train", "--config", "configs/a.yaml"]
     shown, argv = commands(Launch("configs/a.yaml", "accelerate", "fsdp2_2proc.yaml", 2), resume=True)
-    options = ["--config_file", str(ACCELERATE_DIR / "fsdp2_2proc.yaml"), "--num_processes", "2"]
+    port = shown[5]  # a free one: accelerate's fixed default would keep a second run beside this one from starting
+    options = ["--config_file", str(ACCELERATE_DIR / "fsdp2_2proc.yaml"), "--main_process_port", port,
+               "--num_processes", "2"]
     assert shown == ["accelerate", "launch", *options, "-m", "gpt4all_training.cli", "train", "--config",
                      "configs/a.yaml", "resume=auto"]
+    assert port.isdigit() and int(port) != 29500
     assert argv == [str(Path(sys.executable).with_name("accelerate")), *shown[1:]]
+    shown, _ = commands(Launch("configs/a.yaml", "accelerate", "fsdp2_2node.yaml"), resume=False)
+    assert shown[2:4] == ["--config_file", str(ACCELERATE_DIR / "fsdp2_2node.yaml")] and shown[4] == "-m"  # its own
 
 
 def test_the_studio_command_refuses_a_missing_key_and_a_port_in_use(capsys, tmp_path, monkeypatch):
@@ -383,27 +441,38 @@ def test_the_studio_command_refuses_a_missing_key_and_a_port_in_use(capsys, tmp_
 
 
 @pytest.mark.integration
+@pytest.mark.distributed
 @pytest.mark.slow
-def test_under_accelerate_launch_the_supervisor_signals_the_worker_once(tmp_path):
-    """The real launcher between the supervisor and the training process: the worker gets the one SIGTERM (the
-    launcher would send a second, and kill it 5 s later), and the run reads as stopped although the launcher then
-    exits 1."""
-    (tmp_path / "worker.py").write_text(CHILD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"}
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
-    supervisor = subprocess.Popen([sys.executable, "-m", "gpt4all_training.studio.supervise", str(tmp_path),
-                                   "accelerate", "--", accelerate, "launch", "--num_processes", "1", "-m", "worker"],
-                                  cwd=REPO, env=env)
-    deadline = time.monotonic() + 120
-    while "ready" not in ((tmp_path / LOG_FILE).read_text() if (tmp_path / LOG_FILE).exists() else ""):
-        assert time.monotonic() < deadline and supervisor.poll() is None
-        time.sleep(0.1)
-    supervisor.send_signal(signal.SIGTERM)
-    assert supervisor.wait(timeout=60) == 1  # accelerate launch reports its child's 143 as a failure
-    assert "signals 1" in (tmp_path / LOG_FILE).read_text().splitlines()
-    ended = json.loads((tmp_path / EXIT_FILE).read_text())
-    assert (ended["exit_code"], ended["stop_signal"]) == (1, "SIGTERM")
-    assert run_info(Workdir(tmp_path), tmp_path)["state"] == "stopped"
+def test_a_run_under_accelerate_launch_with_a_chosen_config_stops_with_its_checkpoint(client, workdir, cleaned):
+    """The form's launcher for real: the shipped FSDP2 config (two processes, gloo on the CPU) started through the
+    API and stopped after its first step: the supervisor signals each rank once (accelerate's launcher would signal
+    again and kill them 5 s later), each writes its shards, and although the launcher then exits 1 the run reads as
+    stopped and resumable. (Resuming is the same command with resume=auto; FSDP2's exact resume is
+    tests/resume/test_fsdp_resume.py.)"""
+    steps = 12
+    saved = client.post("/api/configs", json={"name": "fsdp", "values": values(
+        output_dir="runs/fsdp", max_steps=steps, gradient_accumulation_steps=4, save_every=100)})
+    assert saved.status_code == 200, saved.text
+    started = client.post("/api/runs", json={"config": "configs/fsdp.yaml", "launcher": "accelerate",
+                                             "accelerate_config": "fsdp2_2proc.yaml"})
+    assert started.status_code == 200, started.text
+    assert re.fullmatch(rf"accelerate launch --config_file {ACCELERATE_DIR}/fsdp2_2proc.yaml --main_process_port "
+                        rf"\d+ -m gpt4all_training.cli train --config configs/fsdp.yaml", started.json()["command"])
+    folder = workdir / "runs" / "fsdp"
+    deadline = time.monotonic() + 300
+    while client.get("/api/runs/fsdp").json()["step"] < 1:
+        assert time.monotonic() < deadline and not (folder / EXIT_FILE).exists(), (folder / LOG_FILE).read_text()
+        time.sleep(0.2)
+    assert client.post("/api/runs/fsdp/stop").status_code == 200
+    while (stopped := client.get("/api/runs/fsdp").json())["state"] == "running":
+        assert time.monotonic() < deadline, stopped["log"]
+        time.sleep(0.2)
+    assert (stopped["state"], stopped["exit_code"], stopped["resumable"]) == ("stopped", 1, True), stopped["log"]
+    assert 1 <= stopped["step"] < steps and stopped["checkpoints"] == [stopped["step"]]
+    assert sorted(p.name for p in (folder / f"step_{stopped['step']}" / "fsdp").iterdir()) == ["rank0.pt",
+                                                                                                 "rank1.pt"]
+    log = (folder / LOG_FILE).read_text()
+    assert "FSDP2: 2 LlamaDecoderLayer units and the root, sharded over 2 processes" in log, log[-2000:]
 
 
 def test_a_chat_with_a_model_that_is_not_there_gets_the_loaders_line(client):

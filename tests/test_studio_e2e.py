@@ -2,8 +2,9 @@
 path on a tiny Llama: log in with the API key, upload a ShareGPT file, clean it (the dropped counts by reason), see
 the trained tokens highlighted as `data --show` marks them, a config the CLI refuses (its line in the page), `plan`
 and `check`, a 20-step run whose loss chart updates live, stop it (a checkpoint), resume it, kill the studio while the
-run goes on and start it again (the run is still listed, and finishes), chat with final/ (a streamed answer), export
-a GGUF and download it, build the map and curate from a search selection, and evaluate before and after.
+run goes on and start it again (the run is still listed, and finishes), chat with final/ and with a checkpoint (streamed
+answers), export a GGUF and download it, build the map (its command line reads back as the config it ran), curate
+from a search selection and train again on the result, and evaluate before and after.
 
 Every stage's screenshot is kept in .cache/artefacts/studio/ and checked for what it must show (elements in the
 page, and colours in the image: the highlighted tokens, the loss line, the map). With STUDIO_DOCS_IMAGES=1 the
@@ -12,9 +13,12 @@ screenshots of the six pages are also written to docs/images/, where the README 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import time
@@ -23,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import torch
 from PIL import Image
 from support.browser import Browser, BrowserError, chromium_path
 from support.models import CHAT_TEMPLATE
@@ -30,10 +35,13 @@ from support.outputs import assert_steps_monotone
 from support.paths import CACHE, REPO
 from support.studio import CONVERSATIONS, DROPPED, TOPICS, make_workdir, start_studio, stop_studio
 
+from gpt4all_training.cli.main import build_parser
 from gpt4all_training.config.loader import load_config
+from gpt4all_training.config.schemas import InferenceConfig
 from gpt4all_training.data.sft import load_data, show_example
 from gpt4all_training.generation.generate import generate_replies
 from gpt4all_training.model.loading import load_model, load_tokenizer
+from gpt4all_training.model.trained import open_model
 
 ARTEFACTS = CACHE / "artefacts" / "studio"
 DOCS_IMAGES = REPO / "docs" / "images"
@@ -249,6 +257,8 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         wait(browser, "document.getElementById('run-state').textContent === 'finished'", 240, "train")
         assert_steps_monotone(run_folder, RUN["max_steps"])  # resumed at its checkpoint: every step once, in order
         browser.wait_for(f"Number(document.getElementById('chart-loss').dataset.points) === {RUN['max_steps']}", 30)
+        assert [js(browser, f"document.getElementById('{chart}').dataset.points")  # every step's row, resumed too
+                for chart in ("chart-lr", "chart-grad", "chart-tps", "chart-memory")] == [str(RUN["max_steps"])] * 4
         assert text(browser, "run-step") == f"{RUN['max_steps']} of {RUN['max_steps']}"
         wait(browser, "document.querySelector('tr[data-run=\"tiny-chat\"]').dataset.state === 'finished'", 30, "train")
         assert pixels(screenshot(browser, "4-train-finished", scroll_to="run-panel", docs="train"), LOSS_LINE) > 40
@@ -268,6 +278,20 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         assert int(js(browser, "document.querySelector('.message.assistant').dataset.chunks")) > 1  # streamed
         assert text(browser, "chat-command").startswith("gpt4all-training serve --model runs/tiny-chat/final")
         screenshot(browser, "5-chat", docs="chat")
+        # ... and with a checkpoint, step_N/ (its weights in model/, its tokenizer the one its config names)
+        checkpoint = js(browser, "[...document.getElementById('chat-model').options].map(o => o.value)"
+                                 ".filter(v => v.startsWith('runs/tiny-chat/step_')).pop()")
+        set_value(browser, "chat-model", checkpoint)  # a new conversation
+        set_value(browser, "chat-input", QUESTION)
+        click(browser, "chat-send")
+        wait(browser, "document.querySelectorAll('.message.assistant').length === 1 && "
+                      "document.querySelector('.message.assistant').dataset.state === 'done'", 120, "chat")
+        with contextlib.chdir(workdir):  # the checkpoint's config names its tokenizer relative to the workdir
+            model, tokenizer = open_model(checkpoint, torch.float32, torch.device("cpu"))
+        expected = generate_replies(model, tokenizer, [[{"role": "user", "content": QUESTION}]], 64)[0]
+        assert js(browser, "document.querySelector('.message.assistant .content').textContent") == expected
+        assert int(js(browser, "document.querySelector('.message.assistant').dataset.chunks")) > 1
+        assert text(browser, "chat-command").startswith(f"gpt4all-training serve --model {checkpoint}")
 
         # ---------------------------------------------------------------- export a GGUF and download it
         go(browser, "export")
@@ -302,6 +326,12 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         click(browser, "map-build")
         wait(browser, "document.getElementById('map-frame').contentDocument?.getElementById('point-count')"
                       f"?.textContent === '{CONVERSATIONS}'", 240, "map")
+        # The map's commands are the ones a user could type: the inference line reads back as the config it ran.
+        typed = shlex.split(text(browser, "map-command").splitlines()[0])[1:]
+        arguments = build_parser(typed[0]).parse_args(typed)
+        with contextlib.chdir(workdir):
+            shown = dataclasses.asdict(load_config(arguments.config, arguments.overrides, cls=InferenceConfig))
+        assert shown == json.loads((workdir / "maps" / "tiny-chat" / "inference.json").read_text())["config"]
         js(browser, """(d => { const s = d.getElementById('search'); s.value = 'planet';
                                 s.dispatchEvent(new Event('input', {bubbles: true})); })
                        (document.getElementById('map-frame').contentDocument)""")
@@ -318,10 +348,20 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         assert text(browser, "map-command") == ("gpt4all-training curate --input maps/tiny-chat --output "
                                                 "data/tiny-chat-curated --exclude-ids maps/tiny-chat/selection.json")
         assert pixels(screenshot(browser, "7-map", docs="map"), MAP_BACKGROUND) > 20_000
+        # Training again on the curated data: the run's own config over the curated folder, as a new run.
         click(browser, "curate-train")
         browser.wait_for("document.body.dataset.ready === 'train'", 60)
         assert js(browser, "document.getElementById('field-dataset_path').value") == "data/tiny-chat-curated"
         assert js(browser, "document.getElementById('field-output_dir').value") == "runs/tiny-chat-curated"
+        assert js(browser, "document.getElementById('field-save_every').value") == str(RUN["save_every"])
+        set_value(browser, "field-max_steps", "2")
+        click(browser, "train-start")
+        wait(browser, "document.getElementById('run-name').textContent === 'tiny-chat-curated' && "
+                      "document.getElementById('run-state').textContent === 'finished'", 180, "train")
+        assert text(browser, "train-command") == "gpt4all-training train --config configs/tiny-chat-curated.yaml"
+        retrained = load_config(workdir / "runs" / "tiny-chat-curated" / "final" / "config.yaml", check=None)
+        assert (retrained.dataset_path, retrained.max_steps, retrained.lr) == ("data/tiny-chat-curated", 2, 3e-3)
+        assert_steps_monotone(workdir / "runs" / "tiny-chat-curated", 2)
 
         # ---------------------------------------------------------------- evaluate before and after
         go(browser, "evaluate")

@@ -4,8 +4,8 @@
 CPUs), `DeepSpeedBackend` (backends/deepspeed.py), `FsdpBackend` (backends/fsdp.py) and `XlaBackend`
 (backends/xla.py) where those differ. Nothing outside backends/ asks which one it has (tests/test_imports.py
 forbids it); it asks what the backend supports (`supports_nan_skip`, `supports_grad_norms`, `engine_saves_state`,
-`partitions_parameters`, `chunks_output_head`, `shards_quantized_base`, `exit_hard`) and how big a parameter is
-(`parameter_shape`, `held_elements`).
+`partitions_parameters`, `chunks_output_head`, `shards_quantized_base`, `exit_hard`), the storage dtype of a 4-bit
+base (`quantized_storage`) and how big a parameter is (`parameter_shape`, `held_elements`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ class Backend:
     # The loss may select the trained positions and project only them through the output head, chunk by chunk
     # (training/loss.py): the head's weight is whole in this process, and a batch may take data-dependent shapes.
     chunks_output_head = True
-    # Whether this backend can partition a quantized (bitsandbytes 4-bit or 8-bit) base across its ranks. None
-    # verified yet; a backend that partitions parameters and says False must refuse a quantized base.
+    # Whether this backend can partition a quantized (bitsandbytes 4-bit) base across its ranks; where it partitions
+    # parameters and cannot, model/build.py refuses a quantized base.
     shards_quantized_base = False
+    # The dtype a 4-bit base packs its weights into: bitsandbytes' uint8 where every process holds the whole base.
+    quantized_storage = torch.uint8
 
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator

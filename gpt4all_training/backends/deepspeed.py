@@ -97,6 +97,13 @@ def _has_frozen_parameters(engine) -> bool:
     return any(not p.requires_grad for p in engine.module.parameters())
 
 
+def engine_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """The dtype a DeepSpeed engine keeps the model's floating parameters in (its config filled)."""
+    if ds_config.get("bf16", {}).get("enabled") is True:
+        return torch.bfloat16
+    return torch.float16 if ds_config.get("fp16", {}).get("enabled") is True else torch.float32
+
+
 class DeepSpeedBackend(Backend):
     """accelerate's DEEPSPEED: the engine owns accumulation, clipping and the update, and (ZeRO-3) the partitions."""
 
@@ -114,6 +121,12 @@ class DeepSpeedBackend(Backend):
         # A ZeRO-3 head's weight is a partition that only the head's own forward gathers: the loss calls the whole
         # head instead of reading its weight.
         self.chunks_output_head = not self.partitions_parameters
+        # ZeRO-3 partitions a 4-bit base as any parameter when its packed weights are stored in the dtype the engine
+        # holds parameters in (it casts every floating one to it), and gathers them byte for byte; each layer's
+        # quantization constants stay whole on its module. ZeRO-1/2 keep bitsandbytes' uint8, which no cast touches.
+        self.shards_quantized_base = self.partitions_parameters
+        if self.partitions_parameters:
+            self.quantized_storage = engine_dtype(plugin.deepspeed_config)
 
     def parameter_shape(self, param: torch.Tensor) -> torch.Size:
         return zero3_shape(param)

@@ -114,6 +114,11 @@ class FsdpBackend(Backend):
     engine_saves_state = True
     engine_state_dir = "fsdp"
     engine_name = "FSDP2"
+    # fully_shard shards only floating tensors: a 4-bit base packs its weights into fp32 (the dtype of every other
+    # parameter here), which is sharded and gathered as it is, byte for byte. Each layer's quantization constants
+    # stay whole on every rank, on the module, where bitsandbytes finds them again after a gather.
+    shards_quantized_base = True
+    quantized_storage = torch.float32
 
     def __init__(self, accelerator, settings: FsdpSettings) -> None:
         super().__init__(accelerator)

@@ -16,8 +16,9 @@ from gpt4all_training.files import writable_folder
 # What clean.py reads, for the error when it keeps nothing (data/clean.py's docstring has the details).
 FORMATS = ("gpt4all records (prompt, response), Dolly (instruction, context, response), OpenAI messages, ShareGPT "
            "conversations, Alpaca (instruction, input, output), TRL prompt/completion (text or messages), "
-           "OpenAssistant message trees (message_tree_id, or a prompt with replies) and preference pairs (chosen, "
-           "rejected: TRL, UltraFeedback-binarized, HH-RLHF), as JSON Lines, a JSON array, Parquet or CSV")
+           "OpenAssistant message trees (message_tree_id, or a prompt with replies), preference pairs (chosen, "
+           "rejected: TRL, UltraFeedback-binarized, HH-RLHF) and, with --prompts, prompts with the fields their "
+           "rewards read, as JSON Lines, a JSON array, Parquet or CSV")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,12 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oasst-preferences", action="store_true",
                         help="OpenAssistant trees as preference pairs (objective dpo): under each prompt, its "
                              "best-ranked reply against each lower-ranked one, the thread above as the prompt")
+    parser.add_argument("--prompts", action="store_true",
+                        help="every record as a prompt to sample from (objective grpo): its prompt (text or "
+                             "messages ending with the user's turn; or its messages) and every other field, which "
+                             "the rewards read (answer, tests, ...)")
 
 
 def run(args: argparse.Namespace) -> int:
     writable_folder("--output-dir", args.output_dir)  # before any input is read
     filters = Filters(args.drop_ai_disclaimers, args.drop_refusals, args.min_response_chars)
-    report = clean(args.inputs, args.output_dir, filters, args.oasst, args.oasst_preferences)
+    report = clean(args.inputs, args.output_dir, filters, args.oasst, args.oasst_preferences, args.prompts)
     print_report(report)
     print(f"report: {Path(args.output_dir) / 'clean_report.json'}")
     if not report["total"].get("kept"):
@@ -61,8 +66,10 @@ def nothing_kept(report: dict[str, Any]) -> str:
     why = {"missing": f"had no {name!r} field (or it was null)", "non": f"had a {name.removeprefix('string_')!r} "
            f"field that is not text", "unknown": "had the fields of none of the formats"}.get(kind, f"were {reason}")
     first = first_record_fields(report)
+    prompts = "; prompts without answers, for objective grpo, are read with --prompts" \
+        if reason == "missing_response" and not report.get("prompts") else ""
     return (f"clean: kept 0 of {read} records ({', '.join(f'{k} {v}' for k, v in dropped.most_common())}): {count} "
-            f"of them {why}{first}; clean.py reads {FORMATS}; rename the fields or convert the file")
+            f"of them {why}{first}; clean.py reads {FORMATS}; rename the fields or convert the file{prompts}")
 
 
 def first_record_fields(report: dict[str, Any]) -> str:

@@ -16,9 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-second", type=float, default=None,
                         help="throughput of the whole run, for the time estimate (default: measured by an earlier "
                              "run in output_dir, if any)")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="memory of one GPU in GiB: each estimate then says whether it fits")
 
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    print(make_plan(config, args.gpus, args.tokens_per_second).describe())
+    print(make_plan(config, args.gpus, args.tokens_per_second, args.gpu_memory).describe())
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional, TypeVar
@@ -190,21 +191,52 @@ class LoRA(Block):
     lora_target_modules: Optional[list[str]] = doc("Module names to adapt, e.g. [q_proj, v_proj]; unset: every "
                                                    "linear layer but the output head (PEFT's all-linear).")
     merge_lora: bool = doc("Also save the adapter merged into the base (merged in fp32) under final/merged.", False)
+    merge_dtype: Dtype = doc("merge_lora: the precision final/merged is written in. The adapter is merged in fp32 "
+                             "(into the dequantized base under quantization), then cast.", "float32")
 
     def checks(self) -> list[Check]:
         return [
             Check("lora_r", self.lora_r >= 1, "must be at least 1"),
             Check("lora_dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)"),
+            Check("merge_dtype", self.merge_lora or self.merge_dtype == "float32",
+                  "only merge_lora reads it; remove it or set merge_lora: true"),
+        ]
+
+
+@dataclass
+class Quantization(Block):
+    """quantization: the frozen base stored in 4 or 8 bits under a LoRA adapter (QLoRA), by bitsandbytes."""
+    load_in_4bit: bool = doc("Store the base's linear layers in 4 bits (QLoRA: about 0.5 byte per weight plus its "
+                             "quantization constants); the adapter trains in fp32 over them, computing in dtype. "
+                             "Needs lora: true.", False)
+    load_in_8bit: bool = doc("Store the base's linear layers in 8 bits (LLM.int8, about 1 byte per weight). Needs "
+                             "lora: true; not under FSDP2 or ZeRO-3, which do not shard int8 weights.", False)
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = doc("load_in_4bit: 'nf4' (NormalFloat, QLoRA's) or 'fp4'.", "nf4")
+    bnb_4bit_use_double_quant: bool = doc("load_in_4bit: quantize the quantization constants too (about 0.37 bit "
+                                          "per weight saved, as QLoRA).", True)
+
+    def checks(self) -> list[Check]:
+        defaults = Quantization()
+        unread = "only load_in_4bit reads it; remove it or set load_in_4bit: true"
+        return [
+            Check("load_in_8bit", not (self.load_in_4bit and self.load_in_8bit),
+                  "load_in_4bit and load_in_8bit exclude each other; set one", got=False),
+            Check("bnb_4bit_quant_type", self.load_in_4bit or self.bnb_4bit_quant_type == defaults.bnb_4bit_quant_type,
+                  unread),
+            Check("bnb_4bit_use_double_quant",
+                  self.load_in_4bit or self.bnb_4bit_use_double_quant == defaults.bnb_4bit_use_double_quant, unread),
         ]
 
 
 @dataclass
 class Objective(Block):
     """objective: what the loss trains, and where the starting weights come from."""
-    objective: Literal["sft", "causal_lm", "dpo"] = doc(
+    objective: Literal["sft", "causal_lm", "dpo", "grpo"] = doc(
         "'sft': prompt/response data, loss on the response. 'causal_lm': raw text joined with EOS into rows of "
         "max_length, loss on every token (pretraining, as CodeParrot). 'dpo': prompt/chosen/rejected pairs, "
-        "preference tuning (see the preference keys).", "sft", allowed="'sft', 'causal_lm' or 'dpo'")
+        "preference tuning (see the preference keys). 'grpo': prompts, completions sampled from the model being "
+        "trained and scored by rewards (see the reinforcement learning keys).", "sft",
+        allowed="'sft', 'causal_lm', 'dpo' or 'grpo'")
     init: Literal["pretrained", "from_config"] = doc(
         "'pretrained': load model_name's weights. 'from_config' (causal_lm only): random weights from "
         "model_config, vocabulary sized to the tokenizer.", "pretrained", allowed="'pretrained' or 'from_config'")
@@ -224,15 +256,29 @@ class Objective(Block):
         ]
 
 
+# What `beta` and `loss_type` are when unset, per objective that reads them (TRL's defaults: DPOConfig's and
+# GRPOConfig's); TrainConfig fills them in when it is built, so config.yaml records the values a run used.
+OBJECTIVE_DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
+LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "simpo"), "grpo": ("grpo", "dr_grpo", "dapo")}
+
+
 @dataclass
 class Preference(Block):
-    """preference tuning (objective dpo): the loss over chosen/rejected pairs, and the reference it is measured from."""
-    beta: float = doc("How far the trained model may move from the reference: the reward is beta x the log-probability "
-                      "ratio (TRL's beta). sigmoid and ipo: 0.1 to 0.5 is usual; simpo's paper uses 2.0 to 2.5.", 0.1)
-    loss_type: Literal["sigmoid", "ipo", "simpo"] = doc(
-        "'sigmoid': DPO (Rafailov et al. 2023). 'ipo': IPO, the squared loss on per-token log-ratios (Azar et al. "
-        "2023, as TRL). 'simpo': SimPO, reference-free, on per-token log-probabilities with a target margin "
-        "simpo_gamma (Meng et al. 2024).", "sigmoid", allowed="'sigmoid', 'ipo' or 'simpo'")
+    """preference tuning (objective dpo; beta and loss_type also grpo's): the loss, and the reference it is measured
+    from."""
+    beta: Optional[float] = doc(
+        "How far the trained model may move from the reference (TRL's beta). dpo: the reward is beta x the "
+        "log-probability ratio; sigmoid and ipo: 0.1 to 0.5 is usual, simpo's paper uses 2.0 to 2.5; unset: 0.1. "
+        "grpo: the weight of the KL term to the reference; unset: 0, which runs no reference at all "
+        "(DeepSeek-R1 used 0.001).")
+    loss_type: Optional[Literal["sigmoid", "ipo", "simpo", "grpo", "dr_grpo", "dapo"]] = doc(
+        "dpo: 'sigmoid' (DPO, Rafailov et al. 2023; the default), 'ipo' (IPO, the squared loss on per-token "
+        "log-ratios, Azar et al. 2023, as TRL) or 'simpo' (SimPO, reference-free, on per-token log-probabilities "
+        "with a target margin simpo_gamma, Meng et al. 2024). grpo, how the per-token losses are averaged (as TRL): "
+        "'dapo' (the default: over every completion token of the optimizer step), 'grpo' (over each completion's "
+        "tokens, then over completions: short answers weigh more per token) or 'dr_grpo' (the sum over "
+        "max_completion_length x completions, Dr. GRPO).",
+        allowed="for dpo 'sigmoid', 'ipo' or 'simpo'; for grpo 'dapo', 'grpo' or 'dr_grpo'")
     label_smoothing: float = doc("sigmoid, simpo: the share of pairs assumed to be labelled the wrong way round "
                                  "(conservative DPO); 0: off.", 0.0)
     simpo_gamma: float = doc("simpo: the target reward margin between the chosen and the rejected answer.", 0.5)
@@ -241,13 +287,120 @@ class Preference(Block):
         "'precomputed': one pass of the initial weights over the pairs before step 1, cached with the tokenized "
         "data; training holds no reference model. 'frozen_copy': a frozen copy of the initial weights scores every "
         "micro-batch (one more fp32 copy of the model per process; not under ZeRO-3 or FSDP2). With LoRA the "
-        "reference is the base model with the adapter disabled, and simpo has none: leave it unset.",
+        "reference is the base model with the adapter disabled, and simpo has none: leave it unset. grpo with "
+        "beta > 0 and full fine-tuning always uses a frozen copy (its completions are new at every step).",
         allowed="'precomputed', 'frozen_copy' or unset")
 
     def checks(self) -> list[Check]:
+        return [Check("label_smoothing", 0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)")]
+
+
+# The rewards built in, each with the keys it takes besides `weight` (see training/objectives/rewards.py), and the
+# keys of a user's own function.
+BUILTIN_REWARDS = {"exact_match": ("field", "pattern"), "numeric_match": ("field", "pattern", "tolerance"),
+                   "format": ("pattern",), "length_penalty": ("cache",)}
+USER_REWARD_KEYS = ("module", "function")
+
+
+def reward_problem(entries: list[dict], max_completion_length: int) -> Optional[str]:
+    """What is wrong with the `rewards` list, in words for its error line, or None."""
+    names = []
+    for number, entry in enumerate(entries, 1):
+        builtin = entry.get("name")
+        if builtin is not None and builtin not in BUILTIN_REWARDS:
+            return (f"entry {number}: no built-in reward is called {builtin!r}; the built-in ones are "
+                    f"{', '.join(BUILTIN_REWARDS)} (your own function: module and function)")
+        if builtin is None and not all(isinstance(entry.get(key), str) and entry[key] for key in USER_REWARD_KEYS):
+            return (f"entry {number}: give name (one of {', '.join(BUILTIN_REWARDS)}), or module (a .py file) and "
+                    f"function (the name of a function in it)")
+        allowed = ("name", *BUILTIN_REWARDS[builtin]) if builtin else USER_REWARD_KEYS
+        unknown = [key for key in entry if key not in (*allowed, "weight")]
+        if unknown:
+            return f"entry {number} ({builtin or entry['function']}): unknown key {unknown[0]!r}; it takes " \
+                   f"{', '.join((*allowed, 'weight'))}"
+        problem = reward_value_problem(builtin, entry, max_completion_length)
+        if problem:
+            return f"entry {number} ({builtin or entry['function']}): {problem}"
+        names.append(builtin or entry["function"])
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        return f"{twice[0]} is named twice, so their metrics (rewards/{twice[0]}/mean) would mix; keep one"
+    return None
+
+
+def reward_value_problem(builtin: Optional[str], entry: dict, max_completion_length: int) -> Optional[str]:
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        return f"weight must be a number, got {weight!r}"
+    if builtin == "format" and "pattern" not in entry:
+        return "needs pattern, the regular expression the whole completion must match"
+    pattern = entry.get("pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            return f"pattern must be a regular expression (text), got {pattern!r}"
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            return f"pattern {pattern!r} is not a regular expression ({exc})"
+    if not isinstance(entry.get("field", "answer"), str):
+        return f"field must name a field of the records, got {entry['field']!r}"
+    tolerance = entry.get("tolerance", 0.0)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
+        return f"tolerance must be a number >= 0, got {tolerance!r}"
+    cache = entry.get("cache", 1)
+    if isinstance(cache, bool) or not isinstance(cache, int) or not 1 <= cache <= max_completion_length:
+        return f"cache must be a whole number of tokens from 1 to max_completion_length ({max_completion_length}), " \
+               f"got {cache!r}"
+    return None
+
+
+@dataclass
+class Rollouts(Block):
+    """reinforcement learning (objective grpo): completions sampled from the model being trained, and their rewards."""
+    rewards: Optional[list[dict]] = doc(
+        "What scores a completion; the weighted sum of these is its reward. Built in: {name: exact_match} (1 when "
+        "the final answer equals the record's `field`, default answer, after strip; `pattern`: a regex whose last "
+        "match, or its first group, is the final answer), {name: numeric_match} (the last number, or pattern's "
+        "match, within `tolerance` of the field), {name: format, pattern: ...} (1 when the whole completion "
+        "matches the regex), {name: length_penalty} (DAPO's soft overlong penalty: 0 up to max_completion_length - "
+        "`cache` tokens, falling to -1 at max_completion_length; cache defaults to a quarter of it). Your own: "
+        "{module: path/to/file.py, function: name}, called as TRL calls one (prompts, completions, completion_ids "
+        "and every record field as keyword lists), returning one float per completion. Each takes a weight "
+        "(default 1). Required for grpo.")
+    num_generations: int = doc("Completions sampled per prompt: the group whose rewards are compared (TRL's "
+                               "num_generations). batch_size counts prompts, so a micro-batch holds batch_size x "
+                               "num_generations completions.", 8)
+    max_completion_length: int = doc("Most tokens of a completion (its EOS included); EOS or the chat template's "
+                                     "end of turn ends it sooner. max_length bounds the prompt.", 256)
+    temperature: float = doc("Temperature of the sampling, and of the log-probabilities the loss compares (as "
+                             "TRL's).", 1.0)
+    top_p: float = doc("Nucleus sampling of the completions: keep the most likely tokens whose probabilities sum to "
+                       "top_p; 1 keeps all.", 1.0)
+    epsilon: float = doc("The probability ratio is clipped to [1 - epsilon, 1 + epsilon_high] (PPO's clip).", 0.2)
+    epsilon_high: Optional[float] = doc("The upper clip; unset: epsilon. DAPO's asymmetric clip uses 0.28.")
+    scale_rewards: Literal["group", "batch", "none"] = doc(
+        "Advantages are rewards minus their group's mean, divided by the standard deviation (Bessel's, + 1e-4) "
+        "of the group ('group'), of the whole step's rewards on every process ('batch') or not at all ('none', "
+        "as Dr. GRPO recommends).", "group", allowed="'group', 'batch' or 'none'")
+    num_iterations: int = doc("Updates per batch of completions (GRPO's mu): the log-probabilities at sampling time "
+                              "stay the ratio's denominator while the weights move. Every optimizer step is one "
+                              "update, so the run samples once every num_iterations steps.", 1)
+    mask_truncated_completions: bool = doc("Completions cut at max_completion_length (no EOS) take no part in the "
+                                           "loss (DAPO's overlong filtering).", False)
+
+    def checks(self) -> list[Check]:
+        rewards = reward_problem(self.rewards, self.max_completion_length) if self.rewards is not None else None
         return [
-            Check("beta", self.beta > 0, "must be > 0"),
-            Check("label_smoothing", 0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)"),
+            Check("num_generations", self.num_generations >= 2,
+                  "must be at least 2: a group of one completion has nothing to be compared with"),
+            Check("max_completion_length", self.max_completion_length >= 1, "must be at least 1"),
+            Check("temperature", self.temperature > 0,
+                  "must be > 0: greedy completions of one prompt are all the same, and their advantages 0"),
+            Check("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            Check("epsilon", 0 < self.epsilon < 1, "must be in (0, 1)"),
+            Check("epsilon_high", self.epsilon_high is None or self.epsilon_high > 0, "must be > 0 (or unset)"),
+            Check("num_iterations", self.num_iterations >= 1, "must be at least 1"),
+            Check("rewards", rewards is None, str(rewards), got=False),
         ]
 
 

@@ -118,6 +118,11 @@ def typed(key: str, value: Any, tp: Any, metadata: Optional[Mapping[str, Any]] =
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise UserError(f"{key}: expected a mapping of name: value, got {shown(value)}")
         return dict(value)
+    if typing.get_origin(base) is list and typing.get_args(base)[0] is dict:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, dict) and all(isinstance(k, str) for k in v)
+                                                           for v in value):
+            raise UserError(f"{key}: expected a list of mappings (name: value), got {shown(value)}")
+        return [dict(v) for v in value]
     if typing.get_origin(base) is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]

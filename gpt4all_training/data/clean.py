@@ -10,8 +10,10 @@ thread flattened into the prompt (`--oasst pairs`); a conversation keeps the too
 a list or a JSON string of one) and its turns' tool calls (arguments a JSON object: `invalid_tool_arguments` when
 not) and reasoning (`reasoning_content`). Preference pairs (data/preferences.py): any record with
 `chosen`/`rejected` answers (TRL, UltraFeedback-binarized, HH-RLHF), and OpenAssistant trees as the best-ranked reply
-against each lower-ranked sibling (`--oasst-preferences`). Each input unit (a line, an array element, a row) becomes
-kept records or dropped ones; nothing vanishes: `kept + dropped == read` for every file.
+against each lower-ranked sibling (`--oasst-preferences`). With `--prompts`, every record is read as a prompt to
+sample from (objective grpo, data/prompt_records.py): its prompt as text or messages, every other field kept for
+the rewards. Each input unit (a line, an array element, a row) becomes kept records or dropped ones; nothing
+vanishes: `kept + dropped == read` for every file.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from gpt4all_training.data.conversations import (OASST_THREAD_MODES, encodable, 
                                                  sharegpt_messages, trained)
 from gpt4all_training.data.preferences import (PAIR_FIELDS, answer_text, is_preference, normalized,
                                                oasst_preferences, preference_record)
+from gpt4all_training.data.prompt_records import prompt_record
 from gpt4all_training.data.raw_files import SUFFIXES, read_units
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_file, atomic_write
@@ -246,6 +249,19 @@ def check_conversation(record: dict[str, Any], filters: Filters, seen: set[tuple
     return None
 
 
+def check_prompt(record: dict[str, Any], seen: set[tuple]) -> str | None:
+    """The drop reason for a prompt record (prompt_record's), or None to keep it: two records with the same prompt
+    and fields are one prompt twice."""
+    if not encodable(record["source"]):
+        return "invalid_unicode"
+    key = ("prompt", normalized(record["prompt"]),
+           json.dumps({k: v for k, v in record.items() if k not in ("prompt", "source")}, sort_keys=True, default=str))
+    if key in seen:
+        return "duplicate"
+    seen.add(key)
+    return None
+
+
 def filter_reason(response: str, filters: Filters) -> str | None:
     """The optional filters' drop reason for an answer (too short, an AI disclaimer, a refusal), or None."""
     if filters.min_response_chars and len(response.strip()) < filters.min_response_chars:
@@ -303,21 +319,28 @@ def dataset_row_record(row: dict[str, Any], default_source: str) -> dict[str, An
     return written_fields({**record, "source": record.get("source", default_source)})
 
 
-def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], oasst: str = "paths") -> FileReport:
-    """Clean one raw file (data/raw_files.py) into `out_path`, written atomically (temp file, fsync, rename)."""
+def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], oasst: str = "paths",
+               prompts: bool = False) -> FileReport:
+    """Clean one raw file (data/raw_files.py) into `out_path`, written atomically (temp file, fsync, rename); with
+    `prompts`, every record as a prompt record."""
     report = FileReport()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out_path) as tmp, open(tmp, "w", encoding="utf-8") as out:
         for unit in read_units(path):
             report.lines += 1
-            items = [Drop(unit)] if isinstance(unit, str) else parse_record(unit, path.stem, oasst)
+            if isinstance(unit, str):
+                items: Any = [Drop(unit)]
+            else:
+                items = [_kept_or_dropped(prompt_record(unit, path.stem))] if prompts else \
+                    parse_record(unit, path.stem, oasst)
             for item in items:
                 report.read += 1
-                reason = item.reason if isinstance(item, Drop) else check_record(item, filters, seen)
+                reason = item.reason if isinstance(item, Drop) else \
+                    check_prompt(item, seen) if prompts else check_record(item, filters, seen)
                 if reason or isinstance(item, Drop):  # a Drop always has its reason
                     report.dropped[reason] += 1
                     continue
-                out.write(record_line(item))
+                out.write(json.dumps(item, ensure_ascii=False) + "\n" if prompts else record_line(item))
                 report.kept += 1
     return report
 
@@ -343,14 +366,17 @@ def input_files(inputs: list[str]) -> list[Path]:
 
 
 def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = None, oasst: str = "paths",
-          oasst_preferences: bool = False) -> dict[str, Any]:
+          oasst_preferences: bool = False, prompts: bool = False) -> dict[str, Any]:
     """Clean every input into `output_dir/<name>_clean.jsonl` and write `clean_report.json`. Returns the report.
 
     `oasst`: OpenAssistant trees as every thread ("paths"), the best-ranked thread ("best"), prompt/response
     pairs ("pairs"); or, with `oasst_preferences`, as preference pairs of ranked sibling replies (the report's oasst
-    then says "preferences")."""
+    then says "preferences"). `prompts`: every record as a prompt with its fields (objective grpo)."""
     if oasst not in OASST_MODES:
         raise UserError(f"--oasst: must be one of {', '.join(OASST_MODES)}, got {oasst!r}")
+    if prompts and (oasst_preferences or oasst != "paths" or filters is not None and filters != Filters()):
+        raise UserError("--prompts: reads every record as a prompt, which the OpenAssistant modes and the answer "
+                        "filters (they read answers) would contradict; give --prompts alone")
     if oasst_preferences:
         if oasst != "paths":
             raise UserError(f"--oasst-preferences: reads trees as pairs of ranked replies, which --oasst {oasst} "
@@ -367,9 +393,9 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
             raise UserError(f"{path}: would overwrite the output of {outputs[out_path]} ({out_path}); "
                             f"clean files with the same name into separate --output-dir folders")
         outputs[out_path] = path
-    report: dict[str, Any] = {"files": {}, "filters": vars(filters), "oasst": oasst}
+    report: dict[str, Any] = {"files": {}, "filters": vars(filters), "oasst": oasst, "prompts": prompts}
     for out_path, path in outputs.items():
-        report["files"][str(path)] = clean_file(path, out_path, filters, seen, oasst).to_dict()
+        report["files"][str(path)] = clean_file(path, out_path, filters, seen, oasst, prompts).to_dict()
     totals: Counter[str] = Counter()
     for entry in report["files"].values():
         totals.update({key: entry[key] for key in ("lines", "read", "kept")})

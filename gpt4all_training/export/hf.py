@@ -31,8 +31,12 @@ from gpt4all_training.export.gguf import TYPES, check_architecture, read_gguf_st
 from gpt4all_training.export.template import (add_template_to_tokenizer_config, ollama_modelfile, sampling_card,
                                               stop_token_ids)
 from gpt4all_training.files import new_folder, writable_folder
-from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
+from gpt4all_training.model.loading import (adapter_base, adapter_quantization, is_adapter_folder, load_model,
+                                            load_tokenizer)
 from gpt4all_training.model.names import portable_name, resolved_name
+from gpt4all_training.model.quantization import (describe_settings, is_quantized, is_quantizing, keep_weight_layout,
+                                                 logit_gap, merge_gap_line, merge_measured, prompt_logits,
+                                                 quantization_settings)
 from gpt4all_training.readers import parse_yaml, read_json, read_model_config, read_text, read_yaml
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.checkpoint import MARKER, check_deepspeed_files, verify
@@ -74,6 +78,7 @@ class ExportSource:
     base_name: str | None  # the model that was fine-tuned, as the run named it
     run: RunInfo
     license: dict[str, str]
+    merge_note: str | None = None  # a QLoRA run's: the dequantized base plus the adapter, and the gap measured
 
     @property
     def base_gguf(self) -> Path | None:
@@ -95,6 +100,8 @@ def run_folder(source: Path) -> Path | None:
 
 def read_run_info(source: Path) -> RunInfo:
     folders = [source] if source.is_dir() else []
+    if source.name == "merged" and source.parent.name == "final":
+        folders.append(source.parent)  # final/config.yaml: the run that trained the adapter merged here
     if (run_dir := run_folder(source)) is not None:
         folders.append(run_dir)
     info = RunInfo()
@@ -191,11 +198,29 @@ def default_base(model_dir: Path, run_config: dict[str, Any]) -> str | None:
 
 
 def merge_adapter(base_name: str, adapter_dir: Path):
-    """Load the base in fp32, apply the adapter in fp32, and fold it into the weights."""
+    """Load the base in fp32, apply the adapter in fp32, and fold it into the weights. An adapter trained over a
+    quantized base (its run's config.yaml says so) comes back unmerged, over that base quantized again: it is merged
+    into the dequantized base once the tokenizer is there to measure the gap (`merged_quantized`)."""
     from peft import PeftModel
 
-    base_model = load_model(base_name, dtype=torch.float32)
-    return PeftModel.from_pretrained(base_model, str(adapter_dir)).merge_and_unload()
+    base_model = load_model(base_name, dtype=torch.float32,
+                            quantization=adapter_quantization(str(adapter_dir), torch.float32))
+    model = PeftModel.from_pretrained(base_model, str(adapter_dir))
+    return model if is_quantized(model) else model.merge_and_unload()
+
+
+def merged_quantized(path: Path, model, tokenizer, run_config: dict[str, Any]) -> tuple[Any, str | None]:
+    """(the model to export, the line that says it is a quantized base dequantized plus its adapter and how far its
+    logits are from what was trained) for a QLoRA run's adapter or its final/merged; (model, None) otherwise."""
+    if is_quantized(model):
+        return merge_measured(model, tokenizer, "float32")
+    settings = quantization_settings(run_config)
+    if not (is_quantizing(settings) and path.name == "merged" and is_adapter_folder(str(path.parent))):
+        return model, None
+    trained = load_model(str(path.parent), dtype=torch.float32)  # the adapter over its base quantized again
+    keep_weight_layout(trained)
+    gap = logit_gap(prompt_logits(trained, tokenizer), prompt_logits(model, tokenizer))
+    return model, merge_gap_line(settings, run_config.get("merge_dtype", "float32"), gap)
 
 
 def model_from_state_dict(state_dict: dict[str, torch.Tensor], model_dir: Path, base_name: str | None,
@@ -290,8 +315,9 @@ def load_source(source: str, base: str | None = None) -> ExportSource:
     if not tokenizer_names:
         raise UserError(f"--from {source}: no tokenizer next to the weights and no base model to take it from")
     tokenizer = load_tokenizer(tokenizer_names[0])
+    model, merge_note = merged_quantized(path, model, tokenizer, run.config)
     license_fields = base_license(base_name) or base_license(str(model_dir))
-    return ExportSource(model.eval(), tokenizer, base_name, run, license_fields)
+    return ExportSource(model.eval(), tokenizer, base_name, run, license_fields, merge_note)
 
 
 def local_config(source: Path, base: str | None):
@@ -321,6 +347,10 @@ def training_method(config: dict[str, Any]) -> str:
         return "unknown"
     if not config.get("lora"):
         return "full fine-tuning"
+    settings = quantization_settings(config)
+    if is_quantizing(settings):
+        return (f"QLoRA (r={config.get('lora_r')}, alpha={config.get('lora_alpha')}) over a "
+                f"{describe_settings(settings)} base, merged in fp32 into the dequantized base")
     return f"LoRA (r={config.get('lora_r')}, alpha={config.get('lora_alpha')}), merged in fp32"
 
 
@@ -354,6 +384,8 @@ def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", "",
              "Fine-tuned with gpt4all-training.", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in rows]
+    if source.merge_note:
+        lines += ["", "## Quantized base", "", source.merge_note[0].upper() + source.merge_note[1:] + "."]
     notice = LICENSE_NOTICES.get(source.license.get("license", ""))
     if notice:
         lines += ["", "## License", "", notice]

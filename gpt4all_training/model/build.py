@@ -4,29 +4,37 @@
 steps that each have a function here:
 
 1. `base_model`: model_name's weights, or random ones from model_config (init: from_config), stored in `dtype`
-   (fp32: the master weights that autocast computes from), with dropout off where the objective asks.
+   (fp32: the master weights that autocast computes from), with dropout off where the objective asks; quantized as
+   it loads when the config says load_in_4bit or load_in_8bit (model/quantization.py: the bitsandbytes config, in
+   the storage dtype the backend shards, computing in the run's dtype).
 2. `assemble`: gradient checkpointing, the LoRA adapter, whether the loss may chunk the output head (the backend
-   says), and the parameter counts, logged.
+   says), and the parameter counts, logged; for a quantized base also its storage, logged, bitsandbytes' CPU
+   repacking kept off, and its fingerprint, which checkpoints record so that a resume over another base is refused.
 
-The storage choices still to come plug in here, each as a piece of its own, with the loop and the objectives
-untouched: a frozen base in the compute dtype under LoRA is `base_model(..., dtype=torch.bfloat16)`, PEFT keeping
-the adapter (and so its optimizer state) in fp32 (tests/test_build.py holds it to that); a quantized base passes a
-bitsandbytes config through `base_model` to from_pretrained, prepares it for k-bit training (PEFT) before the
-adapter in `assemble`, and is refused where `backend.partitions_parameters and not backend.shards_quantized_base`.
+A quantized base is refused where `backend.partitions_parameters and not backend.shards_quantized_base`, and an
+8-bit one wherever parameters are partitioned (int8 tensors are not sharded). The other storage choice still to come
+plugs in here too, with the loop and the objectives untouched: a frozen base in the compute dtype under LoRA is
+`base_model(..., dtype=torch.bfloat16)`, PEFT keeping the adapter (and so its optimizer state) in fp32
+(tests/test_build.py holds it to that).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.errors import UserError
 from gpt4all_training.model.from_config import build_model_from_config, resolve_model_config
 from gpt4all_training.model.loading import check_positions, load_model, model_config
+from gpt4all_training.model.names import resolved_name
 from gpt4all_training.model.lora import apply_lora
 from gpt4all_training.model.parameters import count_parameters, resident_parameters
+from gpt4all_training.model.quantization import (DTYPES, base_fingerprint, bnb_config, describe_settings,
+                                                 is_quantized, is_quantizing, keep_weight_layout,
+                                                 quantization_settings, quantized_bytes)
 from gpt4all_training.model.wrappers import unwrap_model
 
 # The weights training updates are kept in fp32 whatever the compute dtype: autocast runs the matmuls in it.
@@ -36,6 +44,11 @@ MASTER_DTYPE = torch.float32
 class BuildingBackend(Protocol):
     """What building asks the run's backend (backends/backend.py)."""
     chunks_output_head: bool
+    partitions_parameters: bool
+    shards_quantized_base: bool
+    quantized_storage: torch.dtype
+    engine_name: str
+    device: torch.device
 
     def parameter_shape(self, param: torch.Tensor) -> torch.Size: ...
 
@@ -49,19 +62,48 @@ def build_training_model(config: TrainConfig, tokenizer, backend: BuildingBacken
     """The model `config` trains, for backend.prepare: its base (init: config.init), checkpointed and with a LoRA
     adapter as the config says. `dropout_off` sets every dropout of the base to 0 (dpo: the policy and its reference
     must score a text alike). Under ZeRO-3 it is built partitioned."""
-    return assemble(base_model(config, tokenizer, dropout_off=dropout_off), config, backend)
+    quantization = quantization_for(config, backend)
+    return assemble(base_model(config, tokenizer, dropout_off=dropout_off, quantization=quantization,
+                               device=loading_device(quantization, backend)), config, backend)
 
 
-def base_model(config: TrainConfig, tokenizer, *, dtype: torch.dtype = MASTER_DTYPE,
-               dropout_off: bool = False) -> nn.Module:
+def quantization_for(config: TrainConfig, backend: BuildingBackend):
+    """The bitsandbytes config of the base (None: unquantized), in the storage the backend can shard; a combination
+    that cannot work is refused in one line that says which would."""
+    settings = quantization_settings(config)
+    if not is_quantizing(settings):
+        return None
+    key = config.quantized_key
+    if backend.partitions_parameters and settings["load_in_8bit"]:
+        raise UserError(f"load_in_8bit: {backend.engine_name} partitions every parameter across the processes, and "
+                        f"int8 weights cannot be sharded; use load_in_4bit (its storage is sharded), or a launch "
+                        f"that keeps a whole base per process (one process, DDP, DeepSpeed ZeRO-1/2)")
+    if backend.partitions_parameters and not backend.shards_quantized_base:
+        raise UserError(f"{key}: {backend.engine_name} cannot partition a quantized base across the processes; "
+                        f"use FSDP2 or DeepSpeed ZeRO-3 to shard it, or a launch that keeps a "
+                        f"whole base per process (one process, DDP, DeepSpeed ZeRO-1/2)")
+    return bnb_config(settings, DTYPES[config.dtype], backend.quantized_storage)
+
+
+def loading_device(quantization, backend: BuildingBackend) -> torch.device | None:
+    """Where a quantized base is quantized as it loads: on this process's GPU, unless the backend shards it (then on
+    the CPU, from where each process keeps only its shard). None: transformers' default, the CPU."""
+    if quantization is None or backend.partitions_parameters or backend.device.type != "cuda":
+        return None
+    return backend.device
+
+
+def base_model(config: TrainConfig, tokenizer, *, dtype: torch.dtype = MASTER_DTYPE, dropout_off: bool = False,
+               quantization=None, device: torch.device | None = None) -> nn.Module:
     """model_name's weights (init: pretrained) or random ones from model_config seeded by the caller's torch seed
-    (init: from_config, its vocabulary the tokenizer's), stored in `dtype`."""
+    (init: from_config, its vocabulary the tokenizer's), stored in `dtype`; with `quantization` (a bitsandbytes
+    config) its linear layers quantized as they load, on `device`."""
     if config.init == "from_config":
         model = build_model_from_config(config, tokenizer, dtype)
     else:
         assert config.model_name is not None  # init pretrained requires it
         model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
-                           dtype)
+                           dtype, quantization=quantization, device=device)
     if dropout_off:
         disable_dropout(model)
     return model
@@ -79,7 +121,54 @@ def assemble(model: nn.Module, config: TrainConfig, backend: BuildingBackend) ->
                            config.gradient_checkpointing)
     allow_chunked_head(model, backend.chunks_output_head)
     log_parameter_counts(model, backend)
+    if is_quantized(model):
+        keep_weight_layout(model)
+        unwrapped: Any = unwrap_model(model)
+        unwrapped.base_fingerprint = base_fingerprint(model)  # what checkpoints record
+        log_quantized_storage(model, config, backend)
     return model
+
+
+def recorded_base_fingerprint(model: nn.Module) -> str | None:
+    """The fingerprint assemble recorded of a quantized base (None for any other model): what checkpoints keep."""
+    return getattr(unwrap_model(model), "base_fingerprint", None)
+
+
+def quantized_whole_copy(unwrapped: Any, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """A whole CPU copy of `unwrapped` (a PEFT model over a quantized base, sharded in memory): the base rebuilt from
+    its source as the run quantized it, refused unless its fingerprint is the one the run trained over, and the
+    adapter's weights from the gathered `state_dict`. What merging needs where the backend shards the base."""
+    from peft import get_peft_model
+
+    base = unwrapped.get_base_model()
+    settings = quantization_settings(base.config.quantization_config.to_dict())
+    compute = base.config.quantization_config.bnb_4bit_compute_dtype
+    rebuilt = load_model(resolved_name(base.name_or_path), dtype=MASTER_DTYPE, quantization=bnb_config(settings,
+                                                                                                        compute))
+    copy = get_peft_model(rebuilt, unwrapped.peft_config[unwrapped.active_adapter])
+    keep_weight_layout(copy)
+    expected, got = recorded_base_fingerprint(unwrapped), base_fingerprint(copy)
+    if got != expected:
+        raise UserError(f"merge_lora: the base rebuilt from {base.name_or_path} has fingerprint {got[:12]}, not the "
+                        f"{(expected or 'none')[:12]} the adapter was trained over (its files changed during the "
+                        f"run); the adapter in final/ is saved: merge it with `gpt4all-training export`")
+    trainable = {name for name, param in copy.named_parameters() if param.requires_grad}
+    missing = trainable - state_dict.keys()
+    if missing:
+        raise UserError(f"merge_lora: the gathered weights lack the adapter's {sorted(missing)[0]}")
+    copy.load_state_dict({name: state_dict[name].cpu() for name in trainable}, strict=False)
+    return copy
+
+
+def log_quantized_storage(model: nn.Module, config: TrainConfig, backend: BuildingBackend) -> None:
+    """One line: how the base is stored, its quantized weights' bytes (constants included) and the bits per weight
+    that makes, and the unquantized rest."""
+    weights, stored = quantized_bytes(model)
+    frozen = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                 if not p.requires_grad and not hasattr(p, "quant_state") and type(p).__name__ != "Int8Params")
+    backend.print(f"base: {describe_settings(quantization_settings(config))}, computing in {config.dtype}: "
+                  f"{weights:,} weights in {stored / 2**20:,.1f} MiB ({8 * stored / max(weights, 1):.3f} bits per "
+                  f"weight, constants included), the rest of the base {frozen / 2**20:,.1f} MiB in fp32")
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -164,14 +164,16 @@ def left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 class Decoder:
     """A running batch of sequences (see the module docstring). `logprobs` records, for every token drawn, its
     log-probability under the model's own distribution (the log-softmax of the raw logits, before any sampling
-    setting), as a training forward of the same weights computes it. Call it under torch.no_grad or
-    torch.inference_mode, with the model in eval mode."""
+    setting), as a training forward of the same weights computes it; with `tempered`, under the logits divided by
+    the row's temperature (greedy rows: the raw ones), as TRL's GRPO scores completions. Call it under
+    torch.no_grad or torch.inference_mode, with the model in eval mode."""
 
-    def __init__(self, model, tokenizer, eos_ids: Iterable[int], logprobs: bool = False):
+    def __init__(self, model, tokenizer, eos_ids: Iterable[int], logprobs: bool = False, tempered: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
         self.logprobs = logprobs
+        self.tempered = tempered
         self.device = next(model.parameters()).device
         self.vocab_size = len(tokenizer)  # embedding rows past it have no token: never chosen
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked: any id does
@@ -242,7 +244,11 @@ class Decoder:
         self.chosen = next_tokens(logits, self.seen, [s.sampling for s in self.sequences], self.generators)
         logprobs: list[Optional[float]] = [None] * len(self.sequences)
         if self.logprobs:
-            logprobs = torch.log_softmax(self.logits.float(), dim=-1).gather(1, self.chosen[:, None])[:, 0].tolist()
+            scores = self.logits.float()
+            if self.tempered:
+                scores = scores / torch.tensor([s.sampling.temperature or 1.0 for s in self.sequences],
+                                               device=self.device)[:, None]
+            logprobs = torch.log_softmax(scores, dim=-1).gather(1, self.chosen[:, None])[:, 0].tolist()
         for sequence, token, logprob in zip(self.sequences, self.chosen.tolist(), logprobs):
             sequence.add(token, logprob, self.eos_ids, self.decode_text)
 
@@ -281,15 +287,15 @@ class Decoder:
 
 
 def decode_all(model, tokenizer, sequences: list[Sequence], eos_ids: Iterable[int], batch_size: int,
-               logprobs: bool = False) -> list[Sequence]:
+               logprobs: bool = False, tempered: bool = False) -> list[Sequence]:
     """Decode every sequence to its end, at most `batch_size` rows at a time (a waiting one takes the place of one
-    that ended), and return them. The model may be one in training (a PEFT wrapper included): it decodes in eval
-    mode under torch.no_grad and goes back to the mode it was in."""
+    that ended), and return them (`logprobs`, `tempered`: Decoder's). The model may be one in training (a PEFT
+    wrapper included): it decodes in eval mode under torch.no_grad and goes back to the mode it was in."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            decoder = Decoder(model, tokenizer, eos_ids, logprobs)
+            decoder = Decoder(model, tokenizer, eos_ids, logprobs, tempered)
             waiting = collections.deque(sequences)
             while waiting or decoder.sequences:
                 room = batch_size - len(decoder.sequences)

@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from safetensors import SafetensorError
 
 from gpt4all_training.config.blocks import ModelSource
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.chat_templates import apply_chat_template_option
 from gpt4all_training.model.names import missing_path_error, packaged_model, portable_name, resolved_name
+from gpt4all_training.model.quantization import (bnb_config, describe_settings, forget_quantization,
+                                                 is_quantizing, quantization_settings)
 from gpt4all_training.paths import closest_sibling
 from gpt4all_training.readers import read_json
 
 # Files a tokenizer is read from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
+CHECKPOINT_DIR = re.compile(r"step_\d+")
+RUN_CONFIG_FILE = "config.yaml"  # what training writes into each step_N/ and final/ (training/checkpoint.py)
 
 
 def model_source(name: str, gguf_file: str | None = None, key: str = "model_name") -> tuple[str, dict[str, Any]]:
@@ -142,30 +148,70 @@ def adapter_base(adapter_dir: str) -> str:
     return resolved_name(base)
 
 
+def is_checkpoint(path: Path) -> bool:
+    return CHECKPOINT_DIR.fullmatch(path.name) is not None and (path / "model").is_dir()
+
+
+def training_run_config(name: str) -> tuple[Path, dict[str, Any]] | None:
+    """(its file, the config) of the training run that wrote the model at `name`: the config.yaml in a checkpoint
+    `step_N/` or in `final/`, also found from their `model/` and `merged/` folders; None for any other model."""
+    path = Path(name)
+    folders = [path, path.parent] if path.name in ("model", "merged") else [path]
+    for folder in folders:
+        file = folder / RUN_CONFIG_FILE
+        if file.is_file() and (is_checkpoint(folder) or folder.name == "final"):
+            run = yaml.safe_load(file.read_text(encoding="utf-8"))
+            return (file, run) if isinstance(run, dict) else None
+    return None
+
+
+def adapter_quantization(adapter_dir: str, dtype: torch.dtype):
+    """The bitsandbytes config of the base an adapter was trained over, as its training run's config.yaml (beside it
+    in final/ or step_N/) records it, computing in `dtype`; None for an unquantized base or an adapter without its
+    run. An adapter trained over a quantized base is loaded over the same quantized base: the function it learned."""
+    found = training_run_config(adapter_dir)
+    settings = quantization_settings(found[1] if found else {})
+    return bnb_config(settings, dtype) if is_quantizing(settings) else None
+
+
+def describe_quantization(adapter_dir: str) -> str | None:
+    """'4-bit nf4, double quantization' for an adapter trained over a quantized base (its run's config.yaml)."""
+    found = training_run_config(adapter_dir)
+    settings = quantization_settings(found[1] if found else {})
+    return describe_settings(settings) if is_quantizing(settings) else None
+
+
 def load_model(name: str, revision: str | None = None, gguf_file: str | None = None,
-               trust_remote_code: bool = False, dtype: torch.dtype = torch.float32, key: str = "model_name"):
-    """An AutoModelForCausalLM in `dtype`. An adapter folder loads as base plus adapter (a PeftModel). `key` is the
-    option that named it, for the error lines."""
+               trust_remote_code: bool = False, dtype: torch.dtype = torch.float32, key: str = "model_name", *,
+               quantization=None, device: torch.device | None = None):
+    """An AutoModelForCausalLM in `dtype`; with `quantization` (a bitsandbytes config) its linear layers quantized as
+    they load, on `device` (None: the CPU). An adapter folder loads as base plus adapter (a PeftModel), the base
+    quantized as its training run's was unless `quantization` says otherwise. `key` is the option that named it,
+    for the error lines."""
     from transformers import AutoModelForCausalLM
 
     if is_adapter_folder(name):
         from peft import PeftModel
 
-        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, key)
+        quantization = quantization or adapter_quantization(name, dtype)
+        base = load_model(adapter_base(name), revision, None, trust_remote_code, dtype, key,
+                          quantization=quantization, device=device)
         with loading_errors(f"{key} {name}"):
             return PeftModel.from_pretrained(base, name)
     source, extra = model_source(name, gguf_file, key)
+    if quantization is not None:
+        extra["quantization_config"] = quantization
+        if device is not None:
+            extra["device_map"] = {"": device}
     # transformers 5 always builds the model empty and loads weights into it (what low_cpu_mem_usage was), and
     # under ZeRO-3 partitions each parameter as it is built, so no rank ever holds a whole fp32 copy.
     with loading_errors(f"{key} {name}"):
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
                                                      trust_remote_code=trust_remote_code, **extra)
     if extra.get("gguf_file"):
-        # GGUF weights arrive dequantised; drop the quantisation marker so the model saves as ordinary safetensors.
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.hf_quantizer = None  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
-        model.is_quantized = False  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
+        if quantization is None:
+            # GGUF weights arrive dequantised; drop the quantisation marker so the model saves as plain safetensors.
+            forget_quantization(model)
         # Recorded as the base of any adapter trained on it, so the adapter folder alone finds its base again: a
         # packaged model by its short name, which every installation resolves (not a path inside this venv).
         model.name_or_path = portable_name(Path(source) / extra["gguf_file"])

@@ -20,14 +20,26 @@ def whole_shape(param: torch.Tensor) -> torch.Size:
 
 
 def count_parameters(model: nn.Module, shape: Shape = whole_shape) -> tuple[int, int]:
-    """(trainable, total) elements, each parameter counted at its whole `shape`."""
-    sizes = [(math.prod(shape(p)), p.requires_grad) for p in model.parameters()]
+    """(trainable, total) elements, each parameter counted at its whole `shape`; a 4-bit quantized weight by the
+    weights it holds (its quantization state's shape), not by its packed storage."""
+    sizes = [(math.prod(logical_shape(p, shape)), p.requires_grad) for p in model.parameters()]
     return sum(size for size, trainable in sizes if trainable), sum(size for size, _ in sizes)
 
 
+def logical_shape(param: torch.Tensor, shape: Shape) -> torch.Size:
+    state = getattr(param, "quant_state", None)  # bitsandbytes' Params4bit: two weights per byte of storage
+    return state.shape if state is not None else shape(param)
+
+
 def resident_parameters(model: nn.Module, held: Callable[[torch.Tensor], int] = torch.numel) -> int:
-    """Parameter elements this process holds (`held` of each: its partition where the backend partitions)."""
-    return sum(held(p) for p in model.parameters())
+    """Parameter elements this process holds (`held` of each: its partition where the backend partitions), a 4-bit
+    weight's storage counted by the weights it packs."""
+    return sum(held(p) * weights_per_element(p) for p in model.parameters())
+
+
+def weights_per_element(param: torch.Tensor) -> int:
+    """Weights one element of `param` stores: two per byte in a 4-bit quantized weight, whatever its storage dtype."""
+    return 2 * param.element_size() if getattr(param, "quant_state", None) is not None else 1
 
 
 def param_groups(model: nn.Module, weight_decay: float, shape: Shape = whole_shape) -> list[dict[str, Any]]:

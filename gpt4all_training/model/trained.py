@@ -7,24 +7,21 @@ were opened: their paths and content hashes.
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import yaml
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import sha256_file
-from gpt4all_training.model.loading import adapter_base, is_adapter_folder, load_model, load_tokenizer
+from gpt4all_training.model.loading import (adapter_base, describe_quantization, is_adapter_folder, is_checkpoint,
+                                            load_model, load_tokenizer, training_run_config)
 from gpt4all_training.model.names import resolved_name
 
 # The precisions `eval` and `serve` load weights in (a training config's dtype, for the end-of-training evaluation).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CHECKPOINT_DIR = re.compile(r"step_\d+")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-RUN_CONFIG_FILE = "config.yaml"  # what training writes into each step_N/ and final/ (training/checkpoint.py)
 
 
 @dataclass(frozen=True)
@@ -34,10 +31,6 @@ class ModelPaths:
     tokenizer: str
     tokenizer_gguf_file: Optional[str] = None
     tokenizer_revision: Optional[str] = None
-
-
-def is_checkpoint(path: Path) -> bool:
-    return CHECKPOINT_DIR.fullmatch(path.name) is not None and (path / "model").is_dir()
 
 
 def resolve(name: str) -> ModelPaths:
@@ -56,19 +49,6 @@ def resolve(name: str) -> ModelPaths:
         raise UserError(f"--model {name}: a checkpoint without a tokenizer, and no config.yaml naming the run's "
                         f"tokenizer_name or model_name beside it")
     return ModelPaths(str(weights), source, run.get("gguf_file"), run.get("model_revision"))
-
-
-def training_run_config(name: str) -> tuple[Path, dict[str, Any]] | None:
-    """(its file, the config) of the training run that wrote the model at `name`: the config.yaml in a checkpoint
-    `step_N/` or in `final/`, also found from their `model/` and `merged/` folders; None for any other model."""
-    path = Path(name)
-    folders = [path, path.parent] if path.name in ("model", "merged") else [path]
-    for folder in folders:
-        file = folder / RUN_CONFIG_FILE
-        if file.is_file() and (is_checkpoint(folder) or folder.name == "final"):
-            run = yaml.safe_load(file.read_text(encoding="utf-8"))
-            return (file, run) if isinstance(run, dict) else None
-    return None
 
 
 def open_model(name: str, dtype: torch.dtype, device: torch.device):
@@ -104,6 +84,8 @@ def describe(name: str) -> dict[str, Any]:
     weights = source_identity(paths.weights)
     if is_adapter_folder(paths.weights):
         weights["adapter_of"] = source_identity(adapter_base(paths.weights))
+        if quantization := describe_quantization(paths.weights):  # loaded over its base quantized the same way
+            weights["adapter_of"]["quantization"] = quantization
     described = {"path": name, "weights": weights}
     if paths.tokenizer != paths.weights:
         described["tokenizer"] = source_identity(paths.tokenizer)

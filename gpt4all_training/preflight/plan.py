@@ -27,6 +27,8 @@ from gpt4all_training.model.from_config import resolve_model_config
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source, tokenizer_for
 from gpt4all_training.model.lora import apply_lora
 from gpt4all_training.model.parameters import count_parameters
+from gpt4all_training.model.quantization import (bytes_per_weight, describe_settings, is_quantizing,
+                                                 quantization_settings)
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.counts import DataPlan, TokenCounts
 from gpt4all_training.training.loss import CHUNK_ELEMENTS
@@ -52,6 +54,14 @@ MEMORY_FORMULAS = (
     "  plus the loss head's logits chunk (at most 8M fp32 values and their gradient). An upper bound with\n"
     "  flash/SDPA attention, which never stores the a*s*s scores. dpo: b is 2 x batch_size (both answers), and\n"
     "  reference: frozen_copy adds 4P (full and ZeRO-2; refused under ZeRO-3).")
+QUANTIZED_FORMULAS = (
+    "quantized base (load_in_4bit / load_in_8bit), Q of the P parameters in its linear layers, stored in q bytes\n"
+    "  each (4-bit: 0.5 + one absmax per 64 weights, 1/64 with double quantization + 4/(64*256), else 4/64; 8-bit:\n"
+    "  1 + 4/inputs), the rest (embeddings, norms, output head, adapter) in fp32, plus one layer's weight\n"
+    "  dequantized in the compute dtype (c bytes) while it runs; LoRA trains T:\n"
+    "  1 process, DDP: qQ + 4(P - Q) + c*largest + 4T + 8T\n"
+    "  FSDP2:          (qQ + 4(P - Q))/N + c*largest + (4T + 8T)/N (4-bit only: int8 weights are not sharded)\n"
+    "  ZeRO-2:         qQ + 4(P - Q) + c*largest + (4T + 8T)/N;  ZeRO-3 (4-bit only): as FSDP2")
 
 
 # ---------------------------------------------------------------- the model's shape (no weights loaded)
@@ -64,6 +74,9 @@ class ModelShape:
     hidden: int
     heads: int
     vocab: int
+    quantized: int = 0  # weights in the linear layers a quantized base stores in 4 or 8 bits
+    quantized_bytes: float = 0.0  # their storage, quantization constants included
+    largest_linear: int = 0  # the weights of the largest of those layers
 
 
 def model_config_of(config: ModelSource):
@@ -90,6 +103,7 @@ def model_shape(config: TrainConfig, model_config=None) -> ModelShape:
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # PEFT calls a deprecated transformers property
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.trust_remote_code)
+        quantized = quantized_layers(model, quantization_settings(config))
         lora = None
         if config.lora:
             model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout,
@@ -97,7 +111,22 @@ def model_shape(config: TrainConfig, model_config=None) -> ModelShape:
             lora = count_parameters(model)[0]
     text = model_config.get_text_config()
     return ModelShape(parameters=count_parameters(model)[1], lora_trainable=lora, layers=text.num_hidden_layers,
-                      hidden=text.hidden_size, heads=text.num_attention_heads, vocab=text.vocab_size)
+                      hidden=text.hidden_size, heads=text.num_attention_heads, vocab=text.vocab_size,
+                      quantized=sum(n for n, _ in quantized), quantized_bytes=sum(b for _, b in quantized),
+                      largest_linear=max((n for n, _ in quantized), default=0))
+
+
+def quantized_layers(model, settings) -> list[tuple[int, float]]:
+    """(weights, bytes) of each linear layer that `settings` quantize, as transformers' bitsandbytes integration
+    picks them: every nn.Linear but the output head (and what is tied to it); none when nothing is quantized."""
+    from torch import nn
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    if not is_quantizing(settings):
+        return []
+    kept = set(get_keys_to_not_convert(model))
+    return [(module.weight.numel(), module.weight.numel() * bytes_per_weight(settings, module.in_features))
+            for name, module in model.named_modules() if isinstance(module, nn.Linear) and name not in kept]
 
 
 # ---------------------------------------------------------------- memory (pure)
@@ -131,6 +160,8 @@ def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str,
     copies of the weights where a process holds a whole model to copy (full and ZeRO-2)."""
     P, N = shape.parameters, gpus
     act = activation_bytes(shape, micro_batch, length, dtype, gradient_checkpointing)
+    if shape.quantized:
+        return quantized_memory(shape, act, dtype, gpus)
     mixed = dtype != "float32"
     reference = 4 * P * reference_copies
     estimates = {"full (DDP)": Memory(4 * P, 4 * P, 8 * P, act, reference)}
@@ -143,6 +174,21 @@ def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str,
     else:
         estimates["ZeRO-2"] = Memory(4 * P, 4 * P / N, 8 * P / N, act, reference)
         estimates["ZeRO-3"] = Memory(4 * P / N, 4 * P / N, 8 * P / N, act)
+    return estimates
+
+
+def quantized_memory(shape: ModelShape, activations: float, dtype: str, gpus: int) -> dict[str, Memory]:
+    """QUANTIZED_FORMULAS, in bytes, for each launch that can train over a quantized base (LoRA only)."""
+    P, Q, T, N = shape.parameters, shape.quantized, shape.lora_trainable or 0, gpus
+    base = shape.quantized_bytes + 4 * (P - Q)
+    dequantized = (4 if dtype == "float32" else 2) * shape.largest_linear
+    estimates = {"QLoRA, 1 process or DDP": Memory(base + dequantized, 4 * T, 8 * T, activations)}
+    sharded = Memory(base / N + dequantized, 4 * T / N, 8 * T / N, activations)
+    if shape.quantized_bytes < Q:  # 4-bit: FSDP2 and ZeRO-3 shard its storage
+        estimates["QLoRA, FSDP2"] = sharded
+    estimates["QLoRA, ZeRO-2"] = Memory(base + dequantized, 4 * T / N, 8 * T / N, activations)
+    if shape.quantized_bytes < Q:
+        estimates["QLoRA, ZeRO-3"] = sharded
     return estimates
 
 
@@ -204,6 +250,8 @@ class Plan:
     memory: dict[str, Memory]
     tokens_per_second: Optional[float] = None
     throughput_source: str = ""
+    gpu_memory: Optional[float] = None  # bytes per GPU to check each estimate against
+    quantization: str = ""  # '4-bit nf4, double quantization' when the base is quantized
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -223,6 +271,12 @@ class Plan:
     @property
     def seconds(self) -> Optional[float]:
         return self.run.tokens / self.tokens_per_second if self.tokens_per_second else None
+
+    def fits(self, memory: Memory) -> str:
+        """'; fits in 24.00 GiB' or '; does not fit in ...' against --gpu-memory, nothing without it."""
+        if self.gpu_memory is None:
+            return ""
+        return f"; {'fits' if memory.total <= self.gpu_memory else 'does not fit'} in {size(self.gpu_memory)}"
 
     def describe(self) -> str:
         r = self.run
@@ -254,11 +308,15 @@ class Plan:
             + f"; {self.shape.layers} layers, width {self.shape.hidden}, {self.shape.heads} heads, "
               f"vocabulary {self.shape.vocab:,}",
         ]
+        if self.quantization:
+            lines.append(f"  base: {self.shape.quantized:,} weights in {self.quantization} "
+                         f"({size(self.shape.quantized_bytes)}), the rest in fp32")
         for name, m in self.memory.items():
             lines.append(f"  {name:<11} {size(m.total):>11} = weights {size(m.weights)} + gradients "
                          f"{size(m.gradients)} + Adam {size(m.optimizer)} + activations {size(m.activations)}"
-                         + (f" + reference {size(m.reference)}" if m.reference else ""))
-        lines.extend("  " + line for line in MEMORY_FORMULAS.splitlines())
+                         + (f" + reference {size(m.reference)}" if m.reference else "") + self.fits(m))
+        formulas = QUANTIZED_FORMULAS if self.quantization else MEMORY_FORMULAS
+        lines.extend("  " + line for line in formulas.splitlines())
         lines.append("time")
         if self.seconds is None:
             lines.append("  unknown: pass --tokens-per-second, or run `gpt4all-training check` (it measures one)")
@@ -285,9 +343,12 @@ def plan_data(config: TrainConfig, objective: Objective, tokenizer, gpus: int) -
     return objective.plan_counts(config, data, sampler, total_steps)
 
 
-def make_plan(config: TrainConfig, gpus: int = 1, tokens_per_second: Optional[float] = None) -> Plan:
+def make_plan(config: TrainConfig, gpus: int = 1, tokens_per_second: Optional[float] = None,
+              gpu_memory_gib: Optional[float] = None) -> Plan:
     if gpus < 1:
         raise UserError(f"--gpus: must be at least 1, got {gpus}")
+    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
+        raise UserError(f"--gpu-memory: must be more than 0 GiB, got {gpu_memory_gib:g}")
     tokenizer = tokenizer_for(config)
     objective = objective_for(config)
     data = plan_data(config, objective, tokenizer, gpus)
@@ -328,7 +389,9 @@ def make_plan(config: TrainConfig, gpus: int = 1, tokens_per_second: Optional[fl
         checkpoint_bytes=checkpoint_bytes(shape, config.lora), final_bytes=final_bytes, shape=shape,
         memory=memory_per_gpu(shape, objective.rows_per_example * config.batch_size, config.max_length,
                               config.dtype, gpus, config.gradient_checkpointing, objective.reference_copies),
-        tokens_per_second=tokens_per_second, throughput_source=source, notes=notes)
+        tokens_per_second=tokens_per_second, throughput_source=source, notes=notes,
+        gpu_memory=gpu_memory_gib * GIB if gpu_memory_gib is not None else None,
+        quantization=describe_settings(quantization_settings(config)) if shape.quantized else "")
 
 
 def existing_parent(path: Path) -> Path:

@@ -214,9 +214,10 @@ def curate_job(workdir: Workdir, map_input: str, output: str, ids: Optional[list
     return commands, work
 
 
-def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, limit: Optional[int] = None
-             ) -> tuple[list[str], Work]:
-    """`eval` of one model, or of two (before and after) with `--compare`: the scores side by side."""
+def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, limit: Optional[int] = None,
+             device: Optional[str] = None) -> tuple[list[str], Work]:
+    """`eval` of one model, or of two (before and after) with `--compare`: the scores side by side. `device`: the
+    studio's --device (None: CUDA when there is one)."""
     if not 1 <= len(models) <= 2:
         raise UserError("models: give one model, or two to compare (before, after)")
     if not tasks:
@@ -225,9 +226,9 @@ def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, l
         raise UserError(f"limit: must be at least 1, got {limit}")
     paths = [relative(workdir, model, "models") for model in models]
     folders = [relative(workdir, f"{EVAL_DIR}/{name}/{label}", "name") for label in EVAL_LABELS[:len(paths)]]
-    settings = EvalSettings(tasks=tuple(tasks), include_paths=(str(EVAL_SUITE_DIR),), limit=limit)
+    settings = EvalSettings(tasks=tuple(tasks), include_paths=(str(EVAL_SUITE_DIR),), limit=limit, device=device)
     commands = [command("eval", "--model", path, "--tasks", ",".join(tasks), "--include-path", EVAL_SUITE_DIR,
-                        *flag("--limit", limit), "--output", folder,
+                        *flag("--limit", limit), *flag("--device", device), "--output", folder,
                         *flag("--compare", f"{folders[0]}/results.json" if index else None))
                 for index, (path, folder) in enumerate(zip(paths, folders))]
 

@@ -438,7 +438,8 @@ def create_app(settings: StudioSettings) -> Guard:
 
     @app.post("/api/jobs/eval")
     def eval_job(body: EvalBody):
-        return started("eval", actions.eval_job(workdir, body.models, body.tasks, body.name, body.limit))
+        return started("eval", actions.eval_job(workdir, body.models, body.tasks, body.name, body.limit,
+                                                settings.device))
 
     @app.post("/api/jobs/export")
     def export_job(body: ExportBody):

@@ -18,6 +18,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -79,12 +80,24 @@ def commands(launch: Launch, resume: bool) -> tuple[list[str], list[str]]:
         return ["gpt4all-training", *arguments], [sys.executable, "-m", "gpt4all_training.cli", *arguments]
     options = []
     if launch.accelerate_config:
-        options += ["--config_file", str(ACCELERATE_DIR / launch.accelerate_config)]
+        config_file = ACCELERATE_DIR / launch.accelerate_config
+        options += ["--config_file", str(config_file), *rendezvous_options(config_file)]
     if launch.num_processes:
         options += ["--num_processes", str(launch.num_processes)]
     shown = ["accelerate", "launch", *options, "-m", "gpt4all_training.cli", *arguments]
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     return shown, [accelerate, "launch", *options, "-m", "gpt4all_training.cli", *arguments]
+
+
+def rendezvous_options(config_file: Path) -> list[str]:
+    """A free --main_process_port for a one-machine config that names none: under accelerate's fixed default (29500)
+    a second run beside the first (on other devices, as allowed) could not start its process group."""
+    values = read_yaml(config_file)
+    if values.get("main_process_port") is not None or (values.get("num_machines") or 1) > 1:
+        return []
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return ["--main_process_port", str(probe.getsockname()[1])]
 
 
 def check_launch(launch: Launch) -> None:

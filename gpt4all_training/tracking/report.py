@@ -3,8 +3,10 @@
 Each panel is an inline SVG with its text kept as text (`svg.fonttype: none`), so tick labels, legends and titles
 are searchable and readable in the DOM, and every drawn series carries an id (`train-loss`, `validation-loss`, ...).
 Panels: the training loss (raw and smoothed) with the validation loss (markers, so one evaluation still shows),
-for preference tuning the rewards and the reward accuracy (training and validation), learning rate, gradient norm,
-tokens per second, padding fraction and peak memory; a panel whose metric was never logged is left out.
+for preference tuning the rewards and the reward accuracy (training and validation), for grpo the completions'
+rewards (each reward's too), the groups without signal, clipping, KL, entropy and completion lengths; learning rate,
+gradient norm, tokens per second, step time (batches, grpo's decoding, the update), padding fraction and peak memory;
+a panel whose metric was never logged is left out.
 """
 
 from __future__ import annotations
@@ -26,10 +28,21 @@ PANELS = [
                                                        ("val_rewards/margins", "validation margin")], False),
     ("reward-accuracy", "Reward accuracy", "fraction of pairs, chosen above rejected",
      [("rewards/accuracies", "train"), ("val_rewards/accuracies", "validation")], False),
+    ("completion-signal", "Groups without signal, clipping, truncation", "fraction",
+     [("frac_reward_zero_std", "groups with all-equal rewards"), ("clip_ratio/region_mean", "tokens clipped"),
+      ("completions/clipped_ratio", "completions cut at max length")], False),
+    ("kl-entropy", "KL to the reference, entropy", "nats per completion token",
+     [("kl", "KL"), ("entropy", "entropy")], False),
+    ("completion-length", "Completion length", "tokens",
+     [("completions/mean_length", "mean"), ("completions/min_length", "min"), ("completions/max_length", "max")],
+     False),
     ("lr", "Learning rate", "lr", [("lr", "learning rate")], False),
     ("grad-norm", "Gradient norm (before clipping)", "norm", [("grad_norm", "gradient norm")], True),
     ("throughput", "Throughput", "tokens/s", [("tokens_per_s", "tokens/s"),
                                               ("trained_tokens_per_s", "trained tokens/s")], False),
+    ("step-time", "Step time", "seconds per logged window",
+     [("batch_seconds", "batches (grpo: sampling, rewards)"), ("generation_seconds", "decoding completions"),
+      ("update_seconds", "update")], False),
     ("padding", "Padding", "fraction of positions", [("padding_fraction", "padding fraction")], False),
     ("memory", "Peak memory", "MiB", [("peak_rss_mb", "host RSS"), ("peak_gpu_mb", "GPU allocated")], False),
 ]
@@ -137,6 +150,15 @@ def metric_panel(rows: list[dict[str, Any]], panel: str, title: str, ylabel: str
     return to_svg(fig, panel)
 
 
+def completion_reward_panel(rows: list[dict[str, Any]]) -> Optional[str]:
+    """grpo's rewards: the weighted sum, each reward's mean (rewards/<name>/mean, named in the run's config) and the
+    validation's greedy completions'."""
+    names = dict.fromkeys(k for row in rows for k in row if k.startswith("rewards/") and k.endswith("/mean"))
+    metrics = [("reward", "reward (weighted sum)"), *[(k, k.split("/")[1]) for k in names],
+               ("val_reward", "validation (greedy)")]
+    return metric_panel(rows, "completion-rewards", "Rewards (mean over completions)", "reward", metrics, False)
+
+
 def figure(panel: str, svg: str) -> str:
     return f"<figure class='panel' id='panel-{panel}'>{svg}</figure>"
 
@@ -147,6 +169,8 @@ def write_report(output_dir: str | Path, summary: dict[str, Any]) -> Path:
     panels = []
     if (svg := loss_panel(rows)) is not None:
         panels.append(figure("loss", svg))
+    if (svg := completion_reward_panel(rows)) is not None:
+        panels.append(figure("completion-rewards", svg))
     for panel, title, ylabel, metrics, log_when_wide in PANELS:
         if (svg := metric_panel(rows, panel, title, ylabel, metrics, log_when_wide)) is not None:
             panels.append(figure(panel, svg))

@@ -9,6 +9,9 @@
 - `state.json`: the global optimiser step and the trained-token count, plus the sampler's state for readers, the
   run's id and the SHA-256 of its data (`data_fingerprint`);
 - `data_state.pt`: when the data is streamed, the stream's position (pretrain_data.StreamedRows.state_dict);
+- `objective/rank{r}.pt`: what each rank's objective needs for its next step beyond the weights and the step, when
+  it needs anything (grpo's sampled rows, saved between two steps that train on them; loadable with
+  `weights_only=True`);
 - `config.yaml`: the config that produced it (final/ holds one too);
 - last, the `COMPLETE` marker, which lists every file's SHA-256.
 
@@ -62,6 +65,7 @@ from gpt4all_training.files import marker_problem as verify
 from gpt4all_training.files import save_tensors as torch_save
 from gpt4all_training.files import sha256_file as sha256  # noqa: F401
 from gpt4all_training.files import write_marker
+from gpt4all_training.model.build import recorded_base_fingerprint
 from gpt4all_training.training.resume_config import (NEW_OUTPUT_DIR, check_config_changes, config_changes,
                                                      hyperparameters, refuse_changes, restore_hyperparameters)
 from gpt4all_training.training.state import TrainState
@@ -71,6 +75,7 @@ TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
 RUN_ID_FILE = "run_id"  # in output_dir: the id of the run last started there
 FINAL_DIR = "final"
 CONFIG_FILE = "config.yaml"  # the run's config, redacted, in every checkpoint and in final/
+OBJECTIVE_DIR = "objective"  # in a checkpoint: each rank's objective state, when it has one
 # Saved in state.json; if any differs at resume, global step s would be other examples than it was.
 SAMPLER_KEYS = ("seed", "n_examples", "examples_per_step", "group_by_length")
 
@@ -104,14 +109,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the sampler's state
 
 def training_state(step: int, trained_tokens: int, sampler, run_id: str | None = None,
-                   data_fingerprint: str | None = None) -> dict[str, Any]:
+                   data_fingerprint: str | None = None, base_fingerprint: str | None = None) -> dict[str, Any]:
     """state.json: the step (the only thing resume needs) and what derives from it, for readers and checks, with
-    the run's id and its data's content hash."""
+    the run's id, its data's content hash and, under a quantized base (which no checkpoint holds), the base's."""
     epoch, position = divmod(step, sampler.steps_per_epoch)
-    return {"step": step, "epoch": epoch, "position": position, "steps_per_epoch": sampler.steps_per_epoch,
-            "seed": sampler.seed, "n_examples": sampler.n_examples, "examples_per_step": sampler.examples_per_step,
-            "group_by_length": getattr(sampler, "lengths", None) is not None, "world_size": sampler.world_size,
-            "trained_tokens": trained_tokens, "run_id": run_id, "data_fingerprint": data_fingerprint}
+    state = {"step": step, "epoch": epoch, "position": position, "steps_per_epoch": sampler.steps_per_epoch,
+             "seed": sampler.seed, "n_examples": sampler.n_examples, "examples_per_step": sampler.examples_per_step,
+             "group_by_length": getattr(sampler, "lengths", None) is not None, "world_size": sampler.world_size,
+             "trained_tokens": trained_tokens, "run_id": run_id, "data_fingerprint": data_fingerprint}
+    if base_fingerprint is not None:
+        state["base_fingerprint"] = base_fingerprint
+    return state
+
+
+def check_same_base(state: dict[str, Any], model, folder: Path) -> None:
+    """Refuse a resume over a quantized base other than the one the checkpoint's adapter was trained over: the
+    same model_name whose files changed, or a bitsandbytes that quantizes them differently."""
+    saved, current = state.get("base_fingerprint"), recorded_base_fingerprint(model)
+    if saved != current:
+        raise UserError(f"checkpoint {folder}: its adapter was trained over a quantized base with fingerprint "
+                        f"{(saved or 'none')[:12]}, and the base built now has {(current or 'none')[:12]}: "
+                        f"model_name's weights or the bitsandbytes version differ; resume with the base and "
+                        f"bitsandbytes the run started with, or start a new output_dir")
 
 
 def check_resumable(state: dict[str, Any], sampler, folder: Path) -> None:
@@ -249,7 +268,8 @@ def set_aside(folder: Path, log: Callable[[str], Any], why: str) -> Path:
 # ---------------------------------------------------------------- save / load
 
 def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: dict[str, Any],
-                    config_yaml: str, data_state: dict[str, Any] | None = None) -> Path:
+                    config_yaml: str, data_state: dict[str, Any] | None = None,
+                    objective_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the checkpoint atomically. A collective: every rank calls it.
 
     A failed write (a full disk, a quota) removes the partial `.tmp` folder and raises a one-line TrainingError;
@@ -263,6 +283,9 @@ def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: d
         backend.wait_for_everyone()
         state_dict = backend.saveable_state_dict(model)  # gathers ZeRO-3 shards: every rank must call it
         torch_save(rng_state(), tmp / "rng" / f"rank{backend.rank}.pt")
+        if objective_state:
+            (tmp / OBJECTIVE_DIR).mkdir(exist_ok=True)
+            torch_save(objective_state, tmp / OBJECTIVE_DIR / f"rank{backend.rank}.pt")
         if backend.engine_saves_state:
             backend.save_engine_state(model, optimizer, tmp / backend.engine_state_dir)
         if backend.is_main_process:
@@ -303,8 +326,9 @@ def save_step_checkpoint(output_dir: Path, state: TrainState, checkpointer: Chec
         set_aside(folder, backend.print, f"{folder.name} holds another run's checkpoint")
     save_checkpoint(folder, backend, model, optimizer, scheduler,
                     training_state(state.step, state.trained_tokens, checkpointer.sampler,
-                                   checkpointer.lineage.run_id, checkpointer.fingerprint),
-                    checkpointer.config_yaml, checkpointer.sampler.data_state())
+                                   checkpointer.lineage.run_id, checkpointer.fingerprint,
+                                   recorded_base_fingerprint(model)),
+                    checkpointer.config_yaml, checkpointer.sampler.data_state(), checkpointer.objective_state())
     if backend.is_main_process:
         checkpointer.lineage.verified[folder] = None  # just written and hashed
         checkpointer.rotate()
@@ -324,10 +348,11 @@ class Checkpointer:
     when the run starts, after each save, and when the run ends."""
 
     def __init__(self, settings: Checkpoints, config_yaml: str, backend, sampler, total_steps: int, lineage: Lineage,
-                 fingerprint: str | None) -> None:
+                 fingerprint: str | None, objective) -> None:
         self.output_dir = Path(settings.output_dir)
         self.every, self.keep_last, self.keep_every = settings.save_every, settings.keep_last, settings.keep_every
         self.backend, self.sampler, self.total_steps = backend, sampler, total_steps
+        self.objective_state = objective.state_dict  # what the run's objective needs at its next step
         self.lineage, self.fingerprint = lineage, fingerprint
         self.config_yaml = config_yaml  # the run's whole config (redacted), saved in every checkpoint
 
@@ -525,12 +550,27 @@ def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print
     return start
 
 
+def load_objective_state(folder: Path, backend, objective) -> None:
+    """Give the objective this rank's objective/rank{r}.pt, when the checkpoint holds objective state: written by
+    as many processes as this run has, or refused (each rank's state belongs to its own share of the step)."""
+    saved = sorted((folder / OBJECTIVE_DIR).glob("rank*.pt"))
+    if not saved:
+        return
+    if len(saved) != backend.world_size:
+        raise UserError(f"checkpoint {folder}: was written between two steps that train on the same sampled "
+                        f"completions, by {len(saved)} processes; resume it with {len(saved)} processes, or from an "
+                        f"earlier checkpoint")
+    objective.load_state_dict(load_tensors(folder / OBJECTIVE_DIR / f"rank{backend.rank}.pt"))
+
+
 def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, sampler, start: ResumePoint,
-                    fingerprint: str | None = None, log: Callable[[str], Any] = print) -> tuple[TrainState, Lineage]:
-    """The state to start the loop from, restored from `start`'s checkpoint (else step 0), and the run's lineage. A
-    checkpoint whose config trained something else than this one (or its data had another `fingerprint`) is
-    refused, unless resume_allow_changes lists the changed keys. The main process then records the run in
-    output_dir, and sets aside this run's checkpoints past the step it resumes from."""
+                    fingerprint: str | None = None, log: Callable[[str], Any] = print,
+                    objective=None) -> tuple[TrainState, Lineage]:
+    """The state to start the loop from, restored from `start`'s checkpoint (else step 0), and the run's lineage;
+    `objective` gets back its state (load_state_dict) when the checkpoint holds one. A checkpoint whose config
+    trained something else than this one (or its data had another `fingerprint`) is refused, unless
+    resume_allow_changes lists the changed keys. The main process then records the run in output_dir, and sets
+    aside this run's checkpoints past the step it resumes from."""
     output_dir = Path(config.output_dir)
     folder, verified = start.folder, start.verified
     state, lineage = TrainState(), Lineage(new_run_id(), verified=verified)
@@ -539,6 +579,7 @@ def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, s
         changed = check_config_changes(folder, yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")),
                                        config, saved, fingerprint, sampler.steps_per_epoch, log, start.alternative)
         fresh = hyperparameters(scheduler)
+        check_same_base(saved, model, folder)  # before the adapter is loaded over it
         saved = load_checkpoint(folder, backend, model, optimizer, scheduler, verified)
         check_resumable(saved, sampler, folder)
         if changed:
@@ -549,6 +590,7 @@ def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, s
                                 f"does not stream its data; resume it with the config it was written with (its "
                                 f"config.yaml), or remove the stray file")
             sampler.load_data_state(load_tensors(folder / "data_state.pt"))
+        load_objective_state(folder, backend, objective)
         state = TrainState(saved["step"], saved["trained_tokens"])
         lineage = Lineage(saved.get("run_id") or new_run_id(), folder, verified)
         epoch, position = divmod(state.step, sampler.steps_per_epoch)

@@ -14,12 +14,15 @@ from gpt4all_training.backends.replicas import replica_mismatches
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.files import fsync_dir, fsync_tree, write_marker
+from gpt4all_training.model.build import quantized_whole_copy
+from gpt4all_training.model.quantization import DTYPES, is_quantized, merge_measured
 from gpt4all_training.tracking.hub import push_folder
 from gpt4all_training.tracking.report import write_report
 from gpt4all_training.training.checkpoint import CONFIG_FILE, FINAL_DIR, Checkpointer
 
 
-def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config_yaml: str) -> None:
+def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config_yaml: str,
+               merge_dtype: str = "float32") -> None:
     """final/: the model (or adapter), tokenizer and generation config in safetensors, and the run's config (what
     inference and export read to know how it was trained); optionally final/merged/.
     Written as a checkpoint is: into final.tmp/, with a COMPLETE marker listing every file's SHA-256, fsynced, then
@@ -32,7 +35,7 @@ def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_final(unwrapped, backend, state_dict, tokenizer, tmp, merge_lora)
+        write_final(unwrapped, backend, state_dict, tokenizer, tmp, merge_lora, merge_dtype)
         (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         write_marker(tmp)
         fsync_tree(tmp)
@@ -50,7 +53,8 @@ def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config
         raise
 
 
-def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_lora: bool) -> None:
+def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_lora: bool,
+                merge_dtype: str = "float32") -> None:
     is_peft = hasattr(unwrapped, "get_base_model")
     base = unwrapped.get_base_model() if is_peft else unwrapped
     generation = base.generation_config
@@ -61,11 +65,24 @@ def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_l
     generation.save_pretrained(folder)
     if merge_lora and is_peft:
         # After the adapter is saved: merging folds it into the base in place. Master weights are fp32 whatever
-        # the compute dtype, so the merge happens in fp32.
-        merged = backend.whole_copy(unwrapped, state_dict).merge_and_unload()  # ZeRO-3, XLA: a whole CPU copy
+        # the compute dtype, so the merge happens in fp32, and only the merged model is cast to merge_dtype.
+        if is_quantized(unwrapped):
+            merged = merge_quantized(unwrapped, backend, state_dict, tokenizer, merge_dtype)
+        else:
+            merged = backend.whole_copy(unwrapped, state_dict).merge_and_unload()  # ZeRO-3, XLA: a whole CPU copy
+            merged = merged.to(DTYPES[merge_dtype])
         merged.save_pretrained(folder / "merged", safe_serialization=True)
         tokenizer.save_pretrained(folder / "merged")
         generation.save_pretrained(folder / "merged")
+
+
+def merge_quantized(unwrapped, backend, state_dict, tokenizer, merge_dtype: str):
+    """The adapter merged into its quantized base dequantized (the function it was trained over), with one line that
+    says so and how far the merged model's logits are from the quantized base with its adapter."""
+    whole = quantized_whole_copy(unwrapped, state_dict) if backend.partitions_parameters else unwrapped
+    merged, line = merge_measured(whole, tokenizer, merge_dtype)
+    backend.print(f"final/merged: {line}")
+    return merged
 
 
 def finish_run(config: TrainConfig, backend, model, tokenizer, tracker, step: int,
@@ -81,7 +98,7 @@ def finish_run(config: TrainConfig, backend, model, tokenizer, tracker, step: in
             backend.print(f"warning: {mismatched} parameter tensors differ between ranks; final/ holds rank 0's copy")
     final = output_dir / FINAL_DIR
     try:
-        save_final(backend, model, tokenizer, final, config.merge_lora, checkpointer.config_yaml)
+        save_final(backend, model, tokenizer, final, config.merge_lora, checkpointer.config_yaml, config.merge_dtype)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
         reason, advice = write_failure(exc)
         last = checkpointer.last_kept()

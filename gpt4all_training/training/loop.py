@@ -68,7 +68,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     objective.before_training(model, data, backend, tokenizer.pad_token_id, log)
     log(objective.steps_line(sampler, total_steps, config.num_epochs))
     state, lineage = resume_training(config, backend, model, optimizer, scheduler, sampler, start,
-                                     data.fingerprint, log)
+                                     data.fingerprint, log, objective)
 
     tracker = Tracker(config.output_dir, config, config.to_dict(), backend.is_main_process, resume_step=state.step)
     meter = ThroughputMeter(config.log_every, total_steps, sampler.steps_per_epoch, config.nan_policy == "skip")
@@ -76,7 +76,8 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
                           objective.validation)
     others = [build(config, backend, tokenizer, total_steps, log) for build in evaluators]
     config_yaml = yaml.safe_dump(redact(config.to_dict()), sort_keys=False)
-    checkpointer = Checkpointer(config, config_yaml, backend, sampler, total_steps, lineage, data.fingerprint)
+    checkpointer = Checkpointer(config, config_yaml, backend, sampler, total_steps, lineage, data.fingerprint,
+                                objective)
     if backend.is_main_process:  # a kill between an earlier save and its rotation left one checkpoint too many
         checkpointer.rotate()
     grads_every = grad_norms_interval(config, backend)

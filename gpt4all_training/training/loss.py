@@ -160,33 +160,45 @@ def chunked_loss_and_z(hidden: torch.Tensor, head: nn.Linear, targets: torch.Ten
 
 
 class ChunkedLinearLogProbs(torch.autograd.Function):
-    """log softmax(hidden_i @ W.T + b)[target_i] for each row of `hidden`, one chunk of rows at a time.
+    """log softmax(z_i)[target_i] with z_i = (hidden_i @ W.T + b) / temperature, for each row of `hidden`, one chunk
+    of rows at a time; with `entropy`, also each row's entropy -sum softmax(z_i) log softmax(z_i) (a metric, without
+    gradient), as a second output.
 
     Unlike ChunkedLinearCrossEntropy, whose single output lets forward compute the gradients ahead, each row here may
-    get its own incoming gradient (a preference loss weighs every sequence differently), so backward recomputes each
-    chunk's logits and applies d log p_i / d logits = one-hot - softmax, times the row's gradient. Peak memory is one
-    chunk's logits either way. Matmuls run in `dtype`; softmax and accumulation in fp32.
+    get its own incoming gradient (a preference loss weighs every sequence differently, a policy loss every token),
+    so backward recomputes each chunk's logits and applies d log p_i / d logits = (one-hot - softmax) / temperature,
+    times the row's gradient. Peak memory is one chunk's logits either way. Matmuls run in `dtype`; softmax and
+    accumulation in fp32.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, dtype, chunk_rows):
+    def forward(ctx, hidden, weight, bias, targets, dtype, chunk_rows, temperature=1.0, entropy=False):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.float() if bias is not None else None
             out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+            entropies = torch.empty_like(out) if entropy else None
             for start in range(0, hidden.size(0), chunk_rows):
                 logits = _chunk_logits(hidden[start:start + chunk_rows].to(dtype), w, b)
+                if temperature != 1.0:
+                    logits = logits / temperature
                 t = targets[start:start + chunk_rows]
-                out[start:start + chunk_rows] = logits.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
+                lse = torch.logsumexp(logits, -1)
+                out[start:start + chunk_rows] = logits.gather(1, t[:, None]).squeeze(1) - lse
+                if entropies is not None:
+                    entropies[start:start + chunk_rows] = lse - (torch.softmax(logits, -1) * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.dtype, ctx.chunk_rows = dtype, chunk_rows
-        return out
+        ctx.dtype, ctx.chunk_rows, ctx.temperature = dtype, chunk_rows, temperature
+        if entropies is None:
+            return out
+        ctx.mark_non_differentiable(entropies)
+        return out, entropies
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *unused):
         hidden, weight, bias, targets = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        dtype, chunk_rows = ctx.dtype, ctx.chunk_rows
+        dtype, chunk_rows, temperature = ctx.dtype, ctx.chunk_rows, ctx.temperature
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.float() if bias is not None else None
@@ -196,15 +208,17 @@ class ChunkedLinearLogProbs(torch.autograd.Function):
                 h = hidden[start:start + chunk_rows].to(dtype)
                 t = targets[start:start + chunk_rows]
                 logits = _chunk_logits(h, w, b)
+                if temperature != 1.0:
+                    logits = logits / temperature
                 grad_logits = logits.sub_(torch.logsumexp(logits, -1, keepdim=True)).exp_().neg_()  # -softmax
                 grad_logits[torch.arange(t.numel(), device=t.device), t] += 1
-                grad_logits.mul_(grad_out[start:start + chunk_rows, None].float())
+                grad_logits.mul_(grad_out[start:start + chunk_rows, None].float() / temperature)
                 add_head_gradients(grad_logits, h, w, dtype, slice(start, start + chunk_rows), grad_hidden,
                                    grad_weight, grad_bias)
         return (grad_hidden,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None,
-                None, None, None)
+                None, None, None, None, None)
 
 
 def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -283,6 +297,35 @@ def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logps = ChunkedLinearLogProbs.apply(hidden[trained], head.weight, head.bias, targets[trained], dtype, chunk_rows)
     rows = trained.nonzero()[:, 0]
     return torch.zeros(targets.size(0), dtype=torch.float32, device=hidden.device).index_add(0, rows, logps)
+
+
+def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities, entropies), each (rows, width - 1) fp32 over the shifted labels of `batch`: at a trained
+    position the log-probability of its token under softmax(logits / temperature) (differentiable) and that
+    distribution's entropy (without gradient); 0 elsewhere. What a policy loss weighs token by token. The chunked
+    head is used where it reproduces the model's logits exactly (as in token_loss), else the full logits."""
+    targets = batch["labels"][:, 1:]
+    found = output_head(model)
+    if found is None:
+        shifted = model(**model_inputs(batch)).logits[:, :-1].float() / temperature
+        targets = targets.to(shifted.device)
+        trained = targets != IGNORE
+        logp = torch.log_softmax(shifted, -1)
+        chosen = logp.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+        return torch.where(trained, chosen, 0.0), torch.where(trained, entropy, 0.0)
+    parent, name, head = found
+    with head_removed(parent, name):
+        hidden = model(**model_inputs(batch)).logits[:, :-1]
+    targets = targets.to(hidden.device)
+    trained = targets != IGNORE
+    dtype = compute_dtype(hidden.device, head.weight.dtype)
+    chunk_rows = max(1, CHUNK_ELEMENTS // head.out_features)
+    logps, entropies = ChunkedLinearLogProbs.apply(hidden[trained], head.weight, head.bias, targets[trained], dtype,
+                                                   chunk_rows, temperature, True)
+    zeros = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+    return zeros.masked_scatter(trained, logps), zeros.masked_scatter(trained, entropies)
 
 
 class CausalLMLoss:

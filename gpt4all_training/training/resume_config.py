@@ -28,9 +28,9 @@ from gpt4all_training.training.schedule import learning_rate, total_optimizer_st
 FREE_KEYS = frozenset({
     "log_every", "log_grads_every", "log_lr_every", "report_to", "wandb", "wandb_entity", "wandb_project_name",
     "eval_every", "eval_steps", "save_every", "keep_last", "keep_every", "output_dir", "cache_dir", "checkpoint",
-    "resume", "resume_allow_changes", "push_to_hub", "save_name", "merge_lora", "nan_policy", "ddp_timeout_s",
-    "num_proc", "batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "compile", "packing",
-    "eval_tasks", "eval_tasks_limit", "eval_include_path", "eval_tasks_every",
+    "resume", "resume_allow_changes", "push_to_hub", "save_name", "merge_lora", "merge_dtype", "nan_policy",
+    "ddp_timeout_s", "num_proc", "batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "compile",
+    "packing", "eval_tasks", "eval_tasks_limit", "eval_include_path", "eval_tasks_every",
 })
 # Where the data comes from: not compared when both runs know the data's content hash (a moved file is the same data).
 DATA_KEYS = ("dataset_path", "revision")

@@ -11,6 +11,9 @@ in the config; never the loop.
 - "causal_lm" (causal_lm.py): raw text cut into rows of max_length, every token trained.
 - "dpo" (dpo.py, preference.py): prompt/chosen/rejected pairs, DPO, IPO or SimPO against a reference; the step's
   loss is a mean over pairs, not tokens.
+- "grpo" (grpo.py, rewards.py): prompts; completions sampled from the model being trained in step_batches, scored
+  by rewards, and GRPO's group-relative clipped policy loss (DAPO, Dr. GRPO); its state_dict keeps sampled rows that
+  later steps train on again.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from typing import Callable
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.training.objectives.causal_lm import CausalLM
 from gpt4all_training.training.objectives.dpo import DirectPreference
+from gpt4all_training.training.objectives.grpo import GroupRelative
 from gpt4all_training.training.objectives.protocol import Objective
 from gpt4all_training.training.objectives.sft import FineTuning
 
 OBJECTIVES: dict[str, Callable[[TrainConfig], Objective]] = {"sft": FineTuning, "causal_lm": CausalLM,
-                                                     "dpo": DirectPreference}
+                                                             "dpo": DirectPreference, "grpo": GroupRelative}
 
 
 def objective_for(config: TrainConfig) -> Objective:

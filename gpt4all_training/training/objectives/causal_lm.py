@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from gpt4all_training.batch import trained_token_count
 from gpt4all_training.config.blocks import Objective
 from gpt4all_training.config.schemas import TrainConfig
@@ -57,6 +59,12 @@ class CausalLM:
 
     def step_batches(self, model, backend, dataset, step: int, indices: list[list[int]], pad_id: int) -> list[Batch]:
         return [self.fetch(dataset, micro, pad_id) for micro in indices]  # from the data alone
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # each step's batches come from the data alone
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Nothing to take back."""
 
     def window_metrics(self, backend) -> dict[str, float]:
         return self.loss.window_metrics(backend)  # train/last_loss, train/z_loss (a collective)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from gpt4all_training.config.blocks import DataSource
 from gpt4all_training.config.schemas import TrainConfig
@@ -68,6 +69,12 @@ class DirectPreference:
 
     def step_batches(self, model, backend, dataset, step: int, indices: list[list[int]], pad_id: int) -> list[Batch]:
         return [self.fetch(dataset, micro, pad_id) for micro in indices]  # from the data (and its reference) alone
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # each step's batches come from the data alone
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Nothing to take back."""
 
     def window_metrics(self, backend) -> dict[str, float]:
         return self.loss.window_metrics(backend)  # rewards/*, logps/* (a collective)

@@ -54,6 +54,7 @@ class PreferenceSettings:
 
     @classmethod
     def of(cls, config: Preference) -> PreferenceSettings:
+        assert config.loss_type is not None and config.beta is not None, "TrainConfig fills the objective's defaults"
         return cls(config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma)
 
 

@@ -93,6 +93,16 @@ class TrainingObjective(Protocol):
         it)."""
         ...
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What this rank's next step needs that the weights, the optimizer and the step do not give back, for the
+        checkpoint (objective/rank{r}.pt): grpo's sampled rows between two steps that train on them. Empty for an
+        objective that builds each step's batches from the data alone."""
+        ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back what state_dict gave, when a run resumes from the checkpoint."""
+        ...
+
 
 @runtime_checkable
 class ObjectiveChecks(Protocol):
