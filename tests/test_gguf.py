@@ -8,7 +8,8 @@ and Phi-3 a real SentencePiece model trained here, laid out as theirs are (llama
 vocabulary from tokenizer.model). Each is written once in every type the tools give for it (one converter process
 and one quantizer process for all), then read by llama.cpp b11549 (the `xllamacpp` wheel): its tokenizer must give
 transformers' ids and its logits must match transformers' on the merged fp32 model within a bound derived from the
-type below.
+type below. What each family's check observes is the GGUF cell of the README's architecture matrix
+(support/observations.py; tests/test_matrix.py observes the other cells).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from support.observations import GGUF_FAMILIES, forget, observe
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.export import llama_cpp
@@ -44,6 +47,7 @@ def family_configs(vocab_size: int, bos: int, eos: int) -> dict:
         "llama3": tf.LlamaConfig(**common, **WIDTH, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "smollm2": tf.LlamaConfig(**common, **WIDTH, tie_word_embeddings=True),
         "mistral": tf.MistralConfig(**common, **WIDTH, sliding_window=None),
         "qwen2": tf.Qwen2Config(**common, **WIDTH, tie_word_embeddings=True),  # q/k/v biases
         "qwen3": tf.Qwen3Config(**common, **WIDTH, head_dim=64, tie_word_embeddings=True),  # qk-norm
@@ -171,23 +175,31 @@ UNIT_ROUNDOFF = {"f32": 2.0**-11, "f16": 2.0**-11, "bf16": 2.0**-8, "q8_0": 2.0*
                  "q5_k_m": 2.0**-5, "q4_k_m": 2.0**-4, "q4_0": 2.0**-4}
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3",
-                                    "gpt_neox"])
+@pytest.fixture(scope="module", autouse=True)
+def fresh_observations():
+    forget("gguf")
+
+
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
 def test_llama_cpp_reads_every_type_as_transformers_runs_the_model(matrix, family):
-    ids = matrix[family].tokenizer(TEXT, add_special_tokens=False)["input_ids"]
-    expected = hf_logits(matrix[family].model, ids)
-    scale = float(np.abs(expected).max())
-    quantizable = family in ("llama3", "mistral", "qwen2", "gemma2", "phi3", "gpt_neox")
-    assert set(matrix[family].files) == (set(TYPES) if quantizable else set(CONVERTER_TYPES))
-    differences = {}
-    for dtype, path in matrix[family].files.items():
-        with llama_cpp.LlamaCppModel(path) as model:
-            assert model.tokenize(TEXT, add_special=False) == ids, (family, dtype)
-            differences[dtype] = float(np.abs(model.logits(ids) - expected).max())
-    print(family, {dtype: f"{difference:.1e}" for dtype, difference in differences.items()}, f"max|logit| {scale:.2f}")
-    assert {dtype: difference for dtype, difference in differences.items()
-            if difference > 8 * UNIT_ROUNDOFF[dtype] * scale} == {}
-    assert differences["q8_0"] > differences["f16"]  # the types differ: each file holds what its name says
+    def check():
+        ids = matrix[family].tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+        expected = hf_logits(matrix[family].model, ids)
+        scale = float(np.abs(expected).max())
+        quantizable = family in ("llama3", "smollm2", "mistral", "qwen2", "gemma2", "phi3", "gpt_neox")
+        assert set(matrix[family].files) == (set(TYPES) if quantizable else set(CONVERTER_TYPES))
+        differences = {}
+        for dtype, path in matrix[family].files.items():
+            with llama_cpp.LlamaCppModel(path) as model:
+                assert model.tokenize(TEXT, add_special=False) == ids, (family, dtype)
+                differences[dtype] = float(np.abs(model.logits(ids) - expected).max())
+        print(family, {dtype: f"{difference:.1e}" for dtype, difference in differences.items()},
+              f"max|logit| {scale:.2f}")
+        assert {dtype: difference for dtype, difference in differences.items()
+                if difference > 8 * UNIT_ROUNDOFF[dtype] * scale} == {}
+        assert differences["q8_0"] > differences["f16"]  # the types differ: each file holds what its name says
+
+    observe("gguf", GGUF_FAMILIES[family], "export_gguf", check)
 
 
 def test_a_file_carries_template_stop_tokens_sampling_and_names(matrix, chat_tokenizer):

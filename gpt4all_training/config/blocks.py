@@ -191,7 +191,8 @@ class LoRA(Block):
     lora_r: int = doc("LoRA rank.", 8)
     lora_alpha: int = doc("LoRA scaling numerator (scale = alpha / r).", 16)
     lora_dropout: float = doc("Dropout on the LoRA input.", 0.05)
-    lora_target_modules: Optional[list[str]] = doc("Module names to adapt; unset means PEFT's default for the model.")
+    lora_target_modules: Optional[list[str]] = doc("Module names to adapt, e.g. [q_proj, v_proj]; unset: every "
+                                                   "linear layer but the output head (PEFT's all-linear).")
     merge_lora: bool = doc("Also save the adapter merged into the base (merged in fp32) under final/merged.", False)
     merge_dtype: Dtype = doc("merge_lora: the precision final/merged is written in. The adapter is merged in fp32 "
                              "(into the dequantized base under quantization), then cast.", "float32")

@@ -102,11 +102,28 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
         raise UserError(f"{key}: {name} holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); set "
                         f"tokenizer_name to the model the tokenizer comes from")
     with loading_errors(f"{key} {name}"):
-        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
-                                                  trust_remote_code=trust_remote_code, **extra)
+        if not extra and saved_as_generic_tokenizer(folder):
+            # transformers 5 rebuilds some families' tokenizers (Qwen2's) in their own class whatever a folder's
+            # tokenizer.json says, so another tokenizer saved with such a model (a trained one, an
+            # `init: from_config` run's) would split text otherwise than when it was saved.
+            from transformers import TokenizersBackend
+
+            tokenizer = TokenizersBackend.from_pretrained(source)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
+                                                      trust_remote_code=trust_remote_code, **extra)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def saved_as_generic_tokenizer(folder: Path) -> bool:
+    """Whether a local folder's tokenizer was saved as a plain tokenizer.json tokenizer, not a family's class."""
+    config = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config.is_file():
+        return False
+    saved = read_json(config, "tokenizer")
+    return isinstance(saved, dict) and saved.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def tokenizer_for(config: ModelSource):
