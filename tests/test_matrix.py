@@ -104,8 +104,10 @@ def datasets(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_config(model: Path, data: Path, output: Path, **overrides) -> TrainConfig:
-    """One step sees all 8 examples, so a step's loss is the whole dataset's."""
+    """One step sees all 8 examples, so a step's loss is the whole dataset's. fp32, not `auto`: the cells' bounds are
+    multiples of fp32's epsilon."""
     values = dict(model_name=str(model), dataset_path=str(data), output_dir=str(output), max_length=MAX_LENGTH,
+                  dtype="float32",
                   batch_size=8, lr=1e-2, min_lr=1e-2, warmup_steps=0, val_fraction=0.0, num_epochs=10,
                   eval_every=None, save_every=None, num_proc=1, seed=0, report_to=["jsonl"])
     return validate(TrainConfig(**{**values, **overrides}))
