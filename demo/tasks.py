@@ -71,48 +71,46 @@ def write_conversation_splits(out_dir: Path, n_train: int, n_test: int, seed: in
     for i, record in enumerate(swapped):  # each takes the next one's last answer: a wrong label
         record["messages"][-1]["content"] = answers[(i + 1) % len(answers)]
     train += copies + swapped
-    raw = out_dir / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    paths = raw / "train.jsonl", raw / "test.jsonl"
-    for path, rows in zip(paths, (train, test)):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return paths
+    return write_records(out_dir / "raw" / "train.jsonl", train), write_records(out_dir / "raw" / "test.jsonl", test)
 
 
 def write_preference_pairs(out_dir: Path, n_pairs: int, seed: int, held_out: set[str]) -> Path:
     """raw/pairs.jsonl: `n_pairs` single tasks, the families in turn, each with its correct answer chosen and a wrong
     one rejected; no prompt is one of `held_out` (the test conversations' questions) or repeats."""
-    rng = random.Random(seed)
-    names, rows, seen = list(FAMILIES), [], set(held_out)
-    while len(rows) < n_pairs:
-        family = names[len(rows) % len(names)]
-        prompt, answer = FAMILIES[family](rng)
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        rows.append({"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
-                     "chosen": [{"role": "assistant", "content": answer}],
-                     "rejected": [{"role": "assistant", "content": WRONG[family](answer, rng)}], "source": family})
-    path = out_dir / "raw" / "pairs.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
+    rows = [{"prompt": task_prompt(prompt), "chosen": [{"role": "assistant", "content": answer}],
+             "rejected": [{"role": "assistant", "content": WRONG[family](answer, rng)}], "source": family}
+            for family, prompt, answer, rng in single_tasks(n_pairs, seed, held_out)]
+    return write_records(out_dir / "raw" / "pairs.jsonl", rows)
 
 
 def write_reward_prompts(out_dir: Path, n_prompts: int, seed: int, held_out: set[str]) -> Path:
     """raw/prompts.jsonl: `n_prompts` single tasks, the families in turn, each a prompt (the system message and the
     task) with its `answer` for the exact-match reward; no prompt is one of `held_out` or repeats."""
+    rows = [{"prompt": task_prompt(prompt), "answer": answer, "source": family}
+            for family, prompt, answer, _ in single_tasks(n_prompts, seed, held_out)]
+    return write_records(out_dir / "raw" / "prompts.jsonl", rows)
+
+
+def single_tasks(n: int, seed: int, held_out: set[str]):
+    """`n` tasks (family, prompt, answer, the generator that drew them), the families in turn, none of them in
+    `held_out` and none twice. The generator is handed on so that a wrong answer drawn from it follows its task."""
     rng = random.Random(seed)
-    names, rows, seen = list(FAMILIES), [], set(held_out)
-    while len(rows) < n_prompts:
-        family = names[len(rows) % len(names)]
+    names, seen, count = list(FAMILIES), set(held_out), 0
+    while count < n:
+        family = names[count % len(names)]
         prompt, answer = FAMILIES[family](rng)
         if prompt in seen:
             continue
         seen.add(prompt)
-        rows.append({"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
-                     "answer": answer, "source": family})
-    path = out_dir / "raw" / "prompts.jsonl"
+        count += 1
+        yield family, prompt, answer, rng
+
+
+def task_prompt(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+
+
+def write_records(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
