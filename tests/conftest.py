@@ -47,20 +47,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -heaviest[item.path])  # a stable sort: each file's tests keep their order
 
 
-@pytest.fixture(scope="module", autouse=True)
-def accelerate_precision_per_file():
-    """Each test file starts without accelerate's precision: a process keeps one and refuses an Accelerator that asks
-    for another, and a file may train in float32 (exact values) where another trains in what dtype auto is on this
-    machine. A file's own tests share one, as the runs of one process would."""
-    import sys
-
-    if "accelerate" in sys.modules:
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState._reset_state()
-    yield
-
-
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     from gpt4all_training.data.bpe import train_bpe_tokenizer

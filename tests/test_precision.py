@@ -73,3 +73,19 @@ def test_a_resumed_auto_run_keeps_the_dtype_it_resolved(tiny_model_dir, tmp_path
     assert again.keys() == adapter.keys() and all(torch.equal(again[k], adapter[k]) for k in adapter)
     # Starting over takes the machine's dtype (resolved only: one process keeps one accelerate precision).
     assert precision.resolve_dtype(validate(TrainConfig(**values, resume="never")), print).dtype == other
+
+
+def test_one_process_builds_accelerators_of_two_precisions_in_turn():
+    """check's dry run beside a run, the studio, a notebook: a process that trains in fp32 and then in bf16 gets each
+    precision (accelerate alone refuses the second); an Accelerator that sets none keeps the one in force."""
+    from gpt4all_training.backends.accelerate import build_accelerator
+
+    for dtype, expected in (("float32", "no"), ("bfloat16", "bf16"), ("float32", "no")):
+        config = validate(TrainConfig(model_name="m", dataset_path="d", dtype=dtype))
+        assert build_accelerator(config).mixed_precision == expected
+    assert build_accelerator(None).mixed_precision == "no"
+
+
+def test_auto_is_fp32_under_a_torch_xla_launch(monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert native_dtype()[0] == "float32"

@@ -275,7 +275,7 @@ def test_model_config_sources_overrides_and_vocabulary(corpus, text_tokenizer, t
     (["packing=true"], "packing: causal_lm rows are already max_length long; set false"),
     (["lora=true"], "init: from_config trains every weight; set lora: false"),
     (["model_config_overrides=3"], "model_config_overrides: expected a mapping of name: value, got 3"),
-    (["objective=mlm"], "objective: must be 'sft', 'causal_lm' or 'dpo', got 'mlm'"),
+    (["objective=mlm"], "objective: must be 'sft', 'causal_lm', 'dpo' or 'grpo', got 'mlm'"),
 ])
 def test_pretraining_config_errors_name_the_key(corpus, overrides, message):
     with pytest.raises(UserError, match="^" + message.replace("(", r"\(")):

@@ -98,12 +98,17 @@ def test_lora_overfits_eight_examples(lora_run):
     assert sorted(adapter["target_modules"]) == ["fc_in", "fc_out", "k_proj", "out_proj", "q_proj", "v_proj"]
 
 
-def test_lora_defaults_to_pefts_target_modules(tiny_model_dir):
+def test_lora_defaults_to_every_linear_layer_but_the_output_head(tiny_model_dir):
+    import torch
+
     from gpt4all_training.model.loading import load_model
     from gpt4all_training.model.lora import apply_lora
 
-    model = apply_lora(load_model(str(tiny_model_dir)), 8, 16, 0.0, None, False)
-    assert sorted(model.peft_config["default"].target_modules) == ["q_proj", "v_proj"]  # PEFT's choice for GPT-J
+    base = load_model(str(tiny_model_dir))
+    linear = {name for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)}
+    model = apply_lora(base, 8, 16, 0.0, None, False)
+    adapted = {name for name, module in model.get_base_model().named_modules() if hasattr(module, "lora_A")}
+    assert adapted == linear - {"lm_head"} and len(adapted) == 12  # GPT-J: q, k, v, out, fc_in, fc_out in 2 layers
 
 
 @pytest.mark.integration

@@ -57,6 +57,7 @@ def build_accelerator(config: TrainConfig | None = None):
     # Inference loads its weights in its dtype and needs no autocast; None also leaves a precision set earlier in
     # this process alone.
     mixed_precision = MIXED_PRECISION[config.dtype] if config is not None else None
+    release_other_precision(mixed_precision)
     accelerator = Accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers,
                               gradient_accumulation_steps=accumulation)
     if config is not None and accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -66,6 +67,17 @@ def build_accelerator(config: TrainConfig | None = None):
         fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, config,
                               accelerator.num_processes, deepspeed_config_source())
     return accelerator
+
+
+def release_other_precision(mixed_precision: str | None) -> None:
+    """accelerate keeps one precision per process and refuses an Accelerator that asks for another; a process that
+    trains twice (check's dry run beside a run, the studio, a notebook) may ask for another. The state holding the old
+    one is dropped, the process group (accelerate's PartialState) kept."""
+    from accelerate.state import AcceleratorState
+
+    if mixed_precision is not None and AcceleratorState._shared_state \
+            and AcceleratorState().mixed_precision != mixed_precision:
+        AcceleratorState._reset_state()
 
 
 def backend_for(accelerator) -> Backend:

@@ -12,6 +12,8 @@ import torch
 def native_dtype() -> tuple[str, str]:
     """(the dtype auto resolves to here, why: the words a log line gives). The device is the one a training launch
     takes: the GPU where CUDA is available and the launcher did not ask for the CPU."""
+    if os.environ.get("PJRT_DEVICE"):  # a torch_xla launch (the TPU configs say to set it)
+        return "float32", "a torch_xla launch: the XLA backend is tested in fp32 only"
     if torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes"):
         name = torch.cuda.get_device_name()
         if torch.cuda.is_bf16_supported(including_emulation=False):

@@ -185,7 +185,8 @@ def test_clean_keeping_nothing_exits_2_naming_the_formats_and_the_missing_field(
     line = one_error_line(capsys, ["clean", str(source), "--output-dir", str(tmp_path / "out")])
     assert line.startswith("error: clean: " + message.format(input=source) + "; clean.py reads gpt4all records "
                            "(prompt, response), Dolly (instruction, context, response), OpenAI messages")
-    assert line.endswith("; rename the fields or convert the file")
+    prompts = "; prompts without answers, for objective grpo, are read with --prompts"
+    assert line.endswith("; rename the fields or convert the file" + (prompts if "missing_response" in message else ""))
     assert json.loads((tmp_path / "out" / "clean_report.json").read_text())["total"]["kept"] == 0
 
 

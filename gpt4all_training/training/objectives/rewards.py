@@ -141,7 +141,7 @@ def rewards_of(config) -> list[Reward]:
     """The config's rewards (validated by the config), a user's function not loaded yet."""
     return [builtin_reward(entry, config.max_completion_length) if "name" in entry
             else Reward(entry["function"], float(entry.get("weight", 1.0)), entry["module"])
-            for entry in config.rewards]
+            for entry in config.rewards or []]
 
 
 # ---------------------------------------------------------------- a user's own function
