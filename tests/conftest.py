@@ -47,6 +47,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -heaviest[item.path])  # a stable sort: each file's tests keep their order
 
 
+@pytest.fixture(scope="module", autouse=True)
+def accelerate_precision_per_file():
+    """Each test file starts without accelerate's precision: a process keeps one, and a file's hand computations read
+    it (autocast) without building an Accelerator, where an earlier file in the same worker may have trained in what
+    dtype auto is on this machine. A file's own tests share one, as the runs of one process would."""
+    import sys
+
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state()
+    yield
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     from gpt4all_training.data.bpe import train_bpe_tokenizer
