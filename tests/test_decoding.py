@@ -94,6 +94,58 @@ def test_a_seeded_row_draws_the_same_tokens_in_any_batch(model, tokenizer, promp
     assert late.ids == alone and late.finish_reason == "length"
 
 
+def forward_rows(model) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
+    """The rows of every forward of `model` from now on (a list it fills), and the hook's handle."""
+    rows: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                             with_kwargs=True)
+    return rows, handle
+
+
+def test_a_group_prefills_its_prompt_once_and_samples_as_its_rows_do_alone(model, tokenizer, prompt_ids):
+    """Four samples of one prompt beside another prompt: the prefill runs 2 rows, not 5, and every row draws the
+    tokens it draws alone, with the same log-probabilities."""
+    seeds = [11, 12, 13, 14, 15]
+    prompts = [prompt_ids[1]] * 4 + [prompt_ids[4]]
+    rows, handle = forward_rows(model)
+    try:
+        grouped = decoded(model, tokenizer, prompts, 8, HOT, seeds=seeds, logprobs=True)
+    finally:
+        handle.remove()
+    assert rows[0] == 2 and rows[1] == 5  # the prefill of the 2 distinct prompts, then the 5 rows one token on
+    assert len({tuple(s.ids) for s in grouped[:4]}) == 4  # each sample its own
+    for prompt, seed, sequence in zip(prompts, seeds, grouped):
+        [alone] = decoded(model, tokenizer, [prompt], 8, HOT, seeds=[seed], logprobs=True)
+        assert sequence.ids == alone.ids
+        assert torch.allclose(torch.tensor(sequence.logprobs), torch.tensor(alone.logprobs), atol=1e-6)
+
+
+def test_in_lockstep_a_process_runs_a_forward_wherever_another_does_and_decodes_the_same(model, tokenizer,
+                                                                                         prompt_ids):
+    """lockstep ORs this process's flags (rows to step, rows to join) with another process's, which steps rows for
+    12 turns and joins rows at turns 0 and 3: this process, whose 3 rows (2 at a time) end sooner, runs one forward
+    for each agreed step and each agreed join, and its rows decode exactly what they decode alone."""
+    prompts = prompt_ids[:3]
+    plain = decoded(model, tokenizer, prompts, 4, HOT, seeds=[1, 2, 3], batch_size=2, logprobs=True)
+    agreed: list[list[bool]] = []
+
+    def lockstep(flags: list[bool]) -> list[bool]:
+        turn = len(agreed)
+        agreed.append([flags[0] or turn < 12, flags[1] or turn in (0, 3)])
+        return agreed[-1]
+
+    sequences = [Sequence(ids, 4, HOT, seed) for ids, seed in zip(prompts, [1, 2, 3])]
+    rows, handle = forward_rows(model)
+    try:
+        decode_all(model, tokenizer, sequences, set(), 2, logprobs=True, lockstep=lockstep)
+    finally:
+        handle.remove()
+    assert len(agreed) == 13 and agreed[-1] == [False, False]  # the other process's 12 turns, then the end
+    assert len(rows) == sum(steps + joins for steps, joins in agreed) == 12 + 3  # joins: its 2 and this one's 2nd
+    assert rows.count(1) > 3  # one-row idle forwards where this process had nothing to run
+    assert [(s.ids, s.logprobs) for s in sequences] == [(s.ids, s.logprobs) for s in plain]
+
+
 def test_a_stop_string_ends_the_row_and_cuts_its_text(model, tokenizer, prompt_ids):
     [full] = decoded(model, tokenizer, prompt_ids[2:3], 30)
     assert full.text == tokenizer.decode(full.ids, skip_special_tokens=True)

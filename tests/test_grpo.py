@@ -9,6 +9,7 @@ objective's build_model, prepare, step_batches, train_step) or train().
 from __future__ import annotations
 
 import copy
+import json
 import math
 import signal
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.files import read_jsonl, write_config, write_jsonl
-from support.launch import explain, run_train, torchrun
+from support.launch import accelerate_fsdp2, explain, run_train, torchrun
 from support.outputs import assert_bitwise_equal_weights, exact_rows, max_weight_difference
 
 from gpt4all_training.backends.accelerate import backend_for
@@ -511,40 +512,70 @@ def test_a_stop_between_two_steps_on_the_same_completions_resumes_with_them(tiny
 
 # ---------------------------------------------------------------- two processes
 
-@pytest.mark.integration
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_two_processes_train_as_one(tiny_model_dir, prompts_dir, reward_file, tmp_path):
-    """DDP on 2 ranks (2 prompts each) against 1 process (4 prompts a step): the same completions (seeded per
-    prompt), so the same rewards to the bit, and losses and weights equal within a tolerance derived from one process
-    itself: the same steps as 2 micro-batches of 2 prompts (gradient accumulation) sum in another order, as the
-    ranks do; their difference, times 10, bounds the one between the ranks and one process."""
-    values = {"model_name": str(tiny_model_dir), "dataset_path": str(prompts_dir), "objective": "grpo",
+# Every 3rd token id ends a completion (as chat models list several EOS ids): a random model's completions then stop
+# at many lengths, and the ranks' decodes at different turns (FSDP2 without lockstep hangs in the first step).
+EVERY_EOS = 3
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tiny_model_dir, prompts_dir, reward_file, tmp_path_factory) -> Path:
+    """The 2-process comparison's config and its 1-process runs: "one" (4 prompts a step) and "accumulated" (the
+    same steps as 2 micro-batches of 2 prompts), on a copy of the tiny model whose generation config names every
+    EVERY_EOS-th id an EOS."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("grpo-processes")
+    model_dir = Path(shutil.copytree(tiny_model_dir, folder / "model"))
+    (model_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": list(range(0, 1000, EVERY_EOS))}))
+    values = {"model_name": str(model_dir), "dataset_path": str(prompts_dir), "objective": "grpo",
               "rewards": [{"module": str(reward_file), "function": "variety"}], "num_generations": 4,
               "max_completion_length": 6, "max_length": 32, "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0,
               "val_fraction": 0.0, "num_epochs": 10, "max_steps": 3, "eval_every": None, "save_every": None,
-              "num_proc": 1, "seed": 0, "report_to": ["jsonl"], "beta": 0.04, "dtype": "float32"}
-    config = write_config(tmp_path, values)
-    train(load_config(config, [f"output_dir={tmp_path / 'one'}", "batch_size=4"]))
-    train(load_config(config, [f"output_dir={tmp_path / 'accumulated'}", "batch_size=2",
+              "num_proc": 1, "seed": 0, "report_to": ["jsonl"], "lora": True, "lora_r": 4, "lora_alpha": 8,
+              "lora_dropout": 0.0, "beta": 0.04, "dtype": "float32"}
+    config = write_config(folder, values)
+    train(load_config(config, [f"output_dir={folder / 'one'}", "batch_size=4"]))
+    train(load_config(config, [f"output_dir={folder / 'accumulated'}", "batch_size=2",
                                "gradient_accumulation_steps=2"]))
-    two = run_train(config, tmp_path / "two", "batch_size=2", launcher=torchrun(2))
+    return config
+
+
+@pytest.mark.integration
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["ddp", "fsdp2"])
+def test_two_processes_train_as_one(launcher, one_process_runs, tmp_path):
+    """DDP, and FSDP2 decoding in lockstep, on 2 ranks (2 prompts each) against 1 process (4 prompts a step): the
+    same completions (seeded per prompt; of many lengths, so FSDP2's ranks finish decoding at different turns), so
+    the same rewards to the bit, and losses and weights equal within a tolerance derived from one process itself: the
+    same steps as 2 micro-batches of 2 prompts (gradient accumulation) sum in another order, as the ranks do; their
+    difference, times 10, bounds the one between the ranks and one process. LoRA with beta > 0: the reference is the
+    base with the adapter disabled, on sharded weights under FSDP2."""
+    config, folder = one_process_runs, one_process_runs.parent
+    two = run_train(config, tmp_path / "two", "batch_size=2",
+                    launcher={"ddp": torchrun(2), "fsdp2": accelerate_fsdp2(2)}[launcher], timeout=300)
     assert two.returncode == 0, explain(two)
-    one, accumulated, ranks = ([row for row in exact_rows(tmp_path / name) if "loss" in row]
-                               for name in ("one", "accumulated", "two"))
+    assert ("FSDP2: 2 GPTJBlock units and the root, sharded over 2 processes" in two.stdout) == (launcher == "fsdp2")
+    one, accumulated, ranks = ([row for row in exact_rows(path) if "loss" in row]
+                               for path in (folder / "one", folder / "accumulated", tmp_path / "two"))
     assert len(one) == len(accumulated) == len(ranks) == 3
     assert [row["reward"] for row in ranks] == [row["reward"] for row in one] == \
         [row["reward"] for row in accumulated]
     assert len({row["reward"] for row in one}) > 1  # the weights moved: each step sampled other completions
+    # Completions ended at an EOS and at the limit alike.
+    assert sum(row["completions/clipped_ratio"] for row in one) > 0 and all(row["completions/mean_length"] < 6
+                                                                             for row in one)
+    assert [row["completions/mean_length"] for row in ranks] == [row["completions/mean_length"] for row in one]
 
     def loss_gap(rows) -> float:
         return max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, one))
 
     fp32 = torch.finfo(torch.float32).eps
-    weight_spread = max_weight_difference(tmp_path / "accumulated" / "final", tmp_path / "one" / "final")
-    weight_gap = max_weight_difference(tmp_path / "two" / "final", tmp_path / "one" / "final")
-    print(f"grpo 2 ranks vs 1: loss {loss_gap(ranks):.2e} (accumulation's {loss_gap(accumulated):.2e}), weights "
-          f"{weight_gap:.2e} (accumulation's {weight_spread:.2e})")
+    weight_spread = max_weight_difference(folder / "accumulated" / "final", folder / "one" / "final")
+    weight_gap = max_weight_difference(tmp_path / "two" / "final", folder / "one" / "final")
+    print(f"grpo {launcher} 2 ranks vs 1: loss {loss_gap(ranks):.2e} (accumulation's {loss_gap(accumulated):.2e}), "
+          f"weights {weight_gap:.2e} (accumulation's {weight_spread:.2e})")
     assert loss_gap(ranks) <= max(10 * loss_gap(accumulated), 16 * fp32)
     assert weight_gap <= max(10 * weight_spread, 16 * fp32)
 

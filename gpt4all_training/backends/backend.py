@@ -4,7 +4,7 @@
 CPUs), `DeepSpeedBackend` (backends/deepspeed.py), `FsdpBackend` (backends/fsdp.py) and `XlaBackend`
 (backends/xla.py) where those differ. Nothing outside backends/ asks which one it has (tests/test_imports.py
 forbids it); it asks what the backend supports (`supports_nan_skip`, `supports_grad_norms`, `engine_saves_state`,
-`partitions_parameters`, `chunks_output_head`, `shards_quantized_base`, `exit_hard`), the storage dtype of a 4-bit
+`partitions_parameters`, `samples_in_lockstep`, `chunks_output_head`, `shards_quantized_base`, `exit_hard`), the storage dtype of a 4-bit
 base (`quantized_storage`) and how big a parameter is (`parameter_shape`, `held_elements`).
 """
 
@@ -44,6 +44,9 @@ class Backend:
     engine_name = ""
     # ZeRO-3, FSDP2: each rank holds only its partition of every parameter.
     partitions_parameters = False
+    # Each forward gathers the parameters (a collective), so while sampling every process must run as many forwards
+    # as every other: model/decoding.py's lockstep.
+    samples_in_lockstep = False
     # The loss may select the trained positions and project only them through the output head, chunk by chunk
     # (training/loss.py): the head's weight is whole in this process, and a batch may take data-dependent shapes.
     chunks_output_head = True
@@ -93,10 +96,14 @@ class Backend:
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is true on any rank; a collective when there are several."""
+        return self.any_ranks([flag])[0]
+
+    def any_ranks(self, flags: list[bool]) -> list[bool]:
+        """Whether each flag is true on any rank, in one collective when there are several."""
         if self.world_size == 1:
-            return flag
-        votes = torch.tensor([float(flag)], device=self.device)
-        return self.reduce(votes).item() > 0
+            return flags
+        votes = torch.tensor([float(flag) for flag in flags], device=self.device)
+        return [vote > 0 for vote in self.reduce(votes).tolist()]
 
     @property
     def exit_hard(self) -> bool:

@@ -118,6 +118,7 @@ class DeepSpeedBackend(Backend):
         plugin = accelerator.state.deepspeed_plugin
         self.zero_stage = int(plugin.deepspeed_config["zero_optimization"].get("stage", 0))
         self.partitions_parameters = self.zero_stage == 3
+        self.samples_in_lockstep = self.partitions_parameters and self.world_size > 1
         # A ZeRO-3 head's weight is a partition that only the head's own forward gathers: the loss calls the whole
         # head instead of reading its weight.
         self.chunks_output_head = not self.partitions_parameters

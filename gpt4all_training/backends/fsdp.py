@@ -123,7 +123,7 @@ class FsdpBackend(Backend):
     def __init__(self, accelerator, settings: FsdpSettings) -> None:
         super().__init__(accelerator)
         self.settings = settings
-        self.partitions_parameters = self.world_size > 1
+        self.partitions_parameters = self.samples_in_lockstep = self.world_size > 1
         # About in-place changes to the model's output, which would skip a hook: the loss only slices and indexes it.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor",
                                 category=UserWarning)

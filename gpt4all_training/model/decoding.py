@@ -12,7 +12,16 @@ caches), `choose` picks every row's next token, `step` keeps the rows asked for 
 dropping the cache columns that only padded the rows that left. Each row carries its own positions (counted over
 its real tokens), so padding changes nothing it computes: a greedy row's tokens are those it gets alone. A sampled
 row draws with its own torch.Generator seeded from its `seed`, so it draws the same tokens whatever batch it lands
-in. `decode_all` is the plain call: decode these prompts to their ends, at most `batch_size` rows at a time.
+in. Rows of one prompt (a group of samples of it) share its prefill: each distinct prompt of a batch runs once and
+its cache rows are copied to the others. `decode_all` is the plain call: decode these prompts to their ends, at most
+`batch_size` rows at a time.
+
+Where the model's parameters are sharded over processes (FSDP2, ZeRO-3), every forward gathers them, a collective:
+every process must run as many forwards as every other, though each decodes its own rows to their own lengths.
+`decode_all(..., lockstep=...)` then agrees, before each token's forwards, whether any process still runs rows or
+prefills new ones, and a process with nothing of its own to run feeds the model one padding token instead and drops
+the result (HF generate's `synced_gpus`). Its own rows see the same forwards as without lockstep, so they decode the
+same tokens.
 
 Joining in flight needs the plain `DynamicLayer` cache of full-attention models; for other caches (sliding-window
 layers, linear attention) new prompts join only an empty batch.
@@ -203,15 +212,20 @@ class Decoder:
         """Run the prompts of `sequences` as one left-padded batch and join them to the running rows."""
         if any(not s.prompt_ids for s in sequences):
             raise UserError("prompt: an empty prompt has no tokens to condition on")
-        width = max(len(s.prompt_ids) for s in sequences)
-        ids = torch.tensor([[self.pad_id] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences],
-                           device=self.device)
-        mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in sequences],
-                            device=self.device)
+        # Each distinct prompt runs once (a group's samples share it); its rows of the cache are copied to the others.
+        prompts = list(dict.fromkeys(tuple(s.prompt_ids) for s in sequences))
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)  # only the last position's logits: the vocabulary is the largest layer
         logits = out.logits[:, -1]
+        if len(prompts) < len(sequences):
+            row = {p: i for i, p in enumerate(prompts)}
+            copies = torch.tensor([row[tuple(s.prompt_ids)] for s in sequences], device=self.device)
+            out.cache.batch_select_indices(copies)
+            ids, mask, logits = ids[copies], mask[copies], logits[copies]
         seen = torch.zeros(logits.shape, dtype=torch.bool, device=self.device).scatter_(1, ids, True)
         seen[:, self.pad_id] = ((ids == self.pad_id) & mask.bool()).any(dim=1)  # padding is not seen
         generators = [None if s.sampling.greedy or s.seed is None
@@ -269,6 +283,12 @@ class Decoder:
                          use_cache=True)
         self.cache, self.logits = out.cache, out.logits[:, -1]
 
+    def idle_forward(self) -> None:
+        """One forward of a padding token, its output dropped: a lockstep process's turn when it has nothing to run.
+        It touches no row."""
+        token = torch.tensor([[self.pad_id]], device=self.device)
+        self.model(input_ids=token, attention_mask=torch.ones_like(token), use_cache=False, logits_to_keep=1)
+
     def select(self, keep: list[int]) -> None:
         """Keep only the rows at `keep`, and drop the cache columns that now pad every row."""
         index = torch.tensor(keep, device=self.device)
@@ -287,22 +307,38 @@ class Decoder:
 
 
 def decode_all(model, tokenizer, sequences: list[Sequence], eos_ids: Iterable[int], batch_size: int,
-               logprobs: bool = False, tempered: bool = False) -> list[Sequence]:
+               logprobs: bool = False, tempered: bool = False,
+               lockstep: Optional[Callable[[list[bool]], list[bool]]] = None) -> list[Sequence]:
     """Decode every sequence to its end, at most `batch_size` rows at a time (a waiting one takes the place of one
     that ended), and return them (`logprobs`, `tempered`: Decoder's). The model may be one in training (a PEFT
-    wrapper included): it decodes in eval mode under torch.no_grad and goes back to the mode it was in."""
+    wrapper included): it decodes in eval mode under torch.no_grad and goes back to the mode it was in.
+
+    `lockstep`, where the processes must run the same forwards (sharded parameters), ORs each flag over every
+    process (a collective); this process then runs a forward wherever another does (see the module docstring)."""
+    agree = lockstep or (lambda flags: flags)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             decoder = Decoder(model, tokenizer, eos_ids, logprobs, tempered)
             waiting = collections.deque(sequences)
-            while waiting or decoder.sequences:
-                room = batch_size - len(decoder.sequences)
-                if waiting and room > 0 and decoder.can_join():
+            while True:
+                # A turn: the running rows one token further, then new rows joined, then every row's next token.
+                running = [i for i, s in enumerate(decoder.sequences) if not s.finished]
+                room = batch_size - len(running)
+                joins = bool(waiting) and room > 0 and (not running or decoder.plain_cache())
+                steps_anywhere, joins_anywhere = agree([bool(running), joins])
+                if not (steps_anywhere or joins_anywhere):
+                    break
+                decoder.step(running)
+                if steps_anywhere and not running:
+                    decoder.idle_forward()
+                if joins:
                     decoder.prefill([waiting.popleft() for _ in range(min(room, len(waiting)))])
-                decoder.choose()
-                decoder.step([i for i, s in enumerate(decoder.sequences) if not s.finished])
+                elif joins_anywhere:
+                    decoder.idle_forward()
+                if decoder.sequences:
+                    decoder.choose()
     finally:
         model.train(was_training)
     return sequences

@@ -53,7 +53,8 @@ MEMORY_FORMULAS = (
     "  B bytes per value): L*s*b*h*(34 + 5*a*s/h)*B/2; with gradient checkpointing L*s*b*h*B plus one layer;\n"
     "  plus the loss head's logits chunk (at most 8M fp32 values and their gradient). An upper bound with\n"
     "  flash/SDPA attention, which never stores the a*s*s scores. dpo: b is 2 x batch_size (both answers), and\n"
-    "  reference: frozen_copy adds 4P (full and ZeRO-2; refused under ZeRO-3).")
+    "  reference: frozen_copy (and grpo's beta > 0 in full fine-tuning) adds 4P (full and ZeRO-2; ZeRO-3 and FSDP2\n"
+    "  refuse it, so no ZeRO-3 line).")
 QUANTIZED_FORMULAS = (
     "quantized base (load_in_4bit / load_in_8bit), Q of the P parameters in its linear layers, stored in q bytes\n"
     "  each (4-bit: 0.5 + one absmax per 64 weights, 1/64 with double quantization + 4/(64*256), else 4/64; 8-bit:\n"
@@ -157,7 +158,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, length: int, dtype: st
 def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str, gpus: int,
                    gradient_checkpointing: bool, reference_copies: int = 0) -> dict[str, Memory]:
     """The estimates of MEMORY_FORMULAS, in bytes, for each way of training; with `reference_copies` frozen fp32
-    copies of the weights where a process holds a whole model to copy (full and ZeRO-2)."""
+    copies of the weights where a process holds a whole model to copy (full and ZeRO-2; ZeRO-3 refuses them)."""
     P, N = shape.parameters, gpus
     act = activation_bytes(shape, micro_batch, length, dtype, gradient_checkpointing)
     if shape.quantized:
@@ -170,10 +171,12 @@ def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str,
         estimates["LoRA"] = Memory(4 * P, 4 * T, 8 * T, act)
     if mixed:
         estimates["ZeRO-2"] = Memory(2 * P, 2 * P / N, 12 * P / N, act, reference)
-        estimates["ZeRO-3"] = Memory(2 * P / N, 2 * P / N, 12 * P / N, act)
+        zero3 = Memory(2 * P / N, 2 * P / N, 12 * P / N, act)
     else:
         estimates["ZeRO-2"] = Memory(4 * P, 4 * P / N, 8 * P / N, act, reference)
-        estimates["ZeRO-3"] = Memory(4 * P / N, 4 * P / N, 8 * P / N, act)
+        zero3 = Memory(4 * P / N, 4 * P / N, 8 * P / N, act)
+    if not reference_copies:  # ZeRO-3 and FSDP2 refuse a frozen copy: no process holds a whole model to copy
+        estimates["ZeRO-3"] = zero3
     return estimates
 
 

@@ -5,10 +5,11 @@
 A step, in `step_batches` (the loop times it as batch_seconds, apart from the update):
 1. Sampling. Each process samples `num_generations` completions of each of its own prompts of the step through the
    one decoder (model/decoding.py: batched, a KV cache), from the very module being trained, in eval mode, under
-   the step's autocast. Completion j of a prompt draws with its own generator, seeded from (seed, step, the prompt's
-   position, j): a resumed run and a run on another number of processes sample the same completions. A completion
-   ends at an EOS (or the chat template's end of turn) or at max_completion_length (truncated: no EOS; with
-   mask_truncated_completions it takes no part in the loss).
+   the step's autocast; where the parameters are sharded (FSDP2, ZeRO-3) the processes decode in lockstep, each
+   running a forward wherever another does. Completion j of a prompt draws with its own generator, seeded from (seed,
+   step, the prompt's position, j): a resumed run and a run on another number of processes sample the same
+   completions. A completion ends at an EOS (or the chat template's end of turn) or at max_completion_length
+   (truncated: no EOS; with mask_truncated_completions it takes no part in the loss).
 2. Rewards: every reward on every completion of this process; a failure on any process stops all of them.
 3. Advantages, per group of a prompt's completions (a group never spans processes): A = r - mean(group), divided
    (scale_rewards "group") by the group's Bessel-corrected std + 1e-4, or ("batch") by the std of the whole step's
@@ -265,9 +266,10 @@ class GroupRelative:
                                         f"or the reward's field")
 
     def build_model(self, config, tokenizer, backend):
-        if backend.partitions_parameters:
-            raise UserError("objective grpo: sampling completions under ZeRO-3 or FSDP2 (each process holding part "
-                            "of every weight) is not supported yet; use one process, DDP or ZeRO-2")
+        if backend.partitions_parameters and self.reference == "frozen_copy":
+            raise UserError("objective grpo: beta > 0 in full fine-tuning keeps a frozen copy of the whole model in "
+                            "every process, which ZeRO-3 and FSDP2 partition; use lora: true (the reference is the "
+                            "base with the adapter disabled) or beta: 0")
         return build_training_model(config, tokenizer, backend, dropout_off=True)
 
     def sampler(self, config, data: Data, world_size: int, rank: int) -> RepeatedSteps:
@@ -312,9 +314,10 @@ class GroupRelative:
     def decode(self, model, sequences: list[Sequence], greedy: bool = False) -> None:
         """Decode `sequences` with the module being trained, as many rows at a time as a micro-batch holds."""
         rows = self.config.batch_size * (1 if greedy else self.config.num_generations)
-        with self.backend.autocast():
-            decode_all(self.backend.unwrap(model), self.tokenizer, sequences, self.eos_ids, rows, logprobs=not greedy,
-                       tempered=True)
+        backend = self.backend
+        with backend.autocast():
+            decode_all(backend.unwrap(model), self.tokenizer, sequences, self.eos_ids, rows, logprobs=not greedy,
+                       tempered=True, lockstep=backend.any_ranks if backend.samples_in_lockstep else None)
 
     def scored(self, sequences: list[Sequence], prompts: Prompts, positions: list[int],
                per_prompt: int) -> tuple[np.ndarray, torch.Tensor]:
