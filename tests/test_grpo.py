@@ -602,10 +602,26 @@ def test_plan_counts_prompts_and_completions_at_their_longest_and_states_the_ref
     kv_mib = 2 * 2 * 8 * (max(lengths) + 6) * 4 * 16 * 4 / 2**20
     assert f"8 rows with a KV cache of at most {kv_mib:,.1f} MiB" in "\n".join(plan.notes)
     assert kv_cache_bytes(config, 8, 20) == 2 * 2 * 8 * 20 * 4 * 16 * 4
-    assert plan.memory["full (DDP)"].reference == 0
+    assert plan.memory["full (DDP)"].reference == 0 and "ZeRO-3" in plan.memory
     frozen = make_plan(grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file, beta=0.1))
     assert frozen.memory["full (DDP)"].reference == 4 * frozen.shape.parameters
+    assert "ZeRO-3" not in frozen.memory  # refused there: no process holds a whole model to copy
     assert any(note.startswith("grpo reference: a frozen fp32 copy") for note in frozen.notes)
+
+
+class PartitioningBackend:
+    """What FSDP2 and ZeRO-3 on several processes tell an objective: each holds part of every parameter."""
+    partitions_parameters = True
+
+
+def test_a_frozen_copy_under_partitioned_parameters_is_refused_naming_what_works(tiny_model_dir, prompts_dir,
+                                                                                 reward_file, tmp_path):
+    config = grpo_config(tiny_model_dir, prompts_dir, tmp_path, reward_file, beta=0.1)
+    with pytest.raises(UserError) as error:
+        objective_for(config).build_model(config, None, PartitioningBackend())
+    assert str(error.value) == ("objective grpo: beta > 0 in full fine-tuning keeps a frozen copy of the whole model "
+                                "in every process, which ZeRO-3 and FSDP2 partition; use lora: true (the reference is "
+                                "the base with the adapter disabled) or beta: 0")
 
 
 def test_prompts_written_only_as_messages_end_with_the_generation_prompt(chat_tokenizer):

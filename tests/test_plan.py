@@ -114,6 +114,10 @@ def test_memory_formulas_by_hand():
     mixed = memory_per_gpu(shape, 1, 4, "bfloat16", 4, False)
     assert (mixed["ZeRO-2"].weights, mixed["ZeRO-2"].gradients, mixed["ZeRO-2"].optimizer) == (2000, 500, 3000)
     assert (mixed["ZeRO-3"].weights, mixed["ZeRO-3"].gradients, mixed["ZeRO-3"].optimizer) == (500, 500, 3000)
+    # A frozen copy adds 4P where a process holds a whole model, and ZeRO-3 (refusing it) is not offered.
+    referenced = memory_per_gpu(shape, 1, 4, "float32", 4, False, reference_copies=1)
+    assert [(name, m.reference) for name, m in referenced.items()] == [("full (DDP)", 4000), ("LoRA", 0),
+                                                                       ("ZeRO-2", 4000)]
     # s=4, b=1, h=8, a=2: one layer 4*1*8*(34 + 5*2*4/8) = 32*39 = 1248 values-units; fp32 doubles it (B/2 = 2).
     # Head: 2 * 4 bytes * min(s*b*vocab = 200, chunk) = 1600.
     assert activation_bytes(shape, 1, 4, "float32", False) == 2 * 1248 * 2 + 1600
