@@ -94,6 +94,9 @@ def main() -> None:
     parser.add_argument("--swapped", type=int, default=16, help="training conversations given a wrong last answer")
     parser.add_argument("--dpo-pairs", type=int, default=48, help="preference pairs of the dpo stage")
     parser.add_argument("--grpo-prompts", type=int, default=GRPO_PROMPTS, help="prompts of the grpo stage")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="the trainings' dtype (auto: bf16 where the CPU computes in it natively, else fp32; "
+                             "float32 trains as an AVX2-only CPU does)")
     args = parser.parse_args()
 
     import torch
@@ -107,14 +110,14 @@ def main() -> None:
     from gpt4all_training.data.clean import clean
     from gpt4all_training.evaluation.results import comparison_table
     from gpt4all_training.export.hf import export
-    from gpt4all_training.model.loading import load_tokenizer
+    from gpt4all_training.model.loading import load_model, load_tokenizer
     from gpt4all_training.tracking.tracker import read_metrics
     from gpt4all_training.training.loop import train
 
     started = time.perf_counter()
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)  # every run starts afresh, so `make demo` can be repeated
-    base = smollm2_gguf()
+    gguf = smollm2_gguf()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     step("1. generating two-round conversations (seeded), with planted copies and wrong answers", started)
@@ -127,17 +130,20 @@ def main() -> None:
     step("2. clean.py", started)
     print_report(clean([str(train_raw)], out / "clean"))
 
-    step(f"3. the base model: {base.name}", started)
-    tokenizer = load_tokenizer(str(base))
-    # Reading a GGUF's 49k-token vocabulary is slow in Python: do it once, then load the saved copy.
-    tokenizer_dir = out / "base_tokenizer"
-    tokenizer.save_pretrained(tokenizer_dir)
+    step(f"3. the base model: {gguf.name}", started)
+    # transformers reads a GGUF (its metadata, its 49k-token vocabulary, the dequantized tensors) in Python, which
+    # takes the better part of a minute on these CPUs: read it once, and let every later stage load the saved copy.
+    base = out / "base"
+    tokenizer = load_tokenizer(str(gguf))
+    load_model(str(gguf)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    gc.collect()
     before = turn_accuracy(str(base), tokenizer, test)
     print(f"exact match: first turn {before['first_turn']:.1%}, second turn {before['second_turn']:.1%}")
     eval_before = harness_scores(str(base), out / "eval" / "before")
 
     step("4. fine-tuning with LoRA on every assistant turn", started)
-    overrides = [f"model_name={base}", f"tokenizer_name={tokenizer_dir}"]
+    overrides = [f"model_name={base}", f"dtype={args.dtype}"]
     config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'clean'}",
                                               f"output_dir={out / 'run'}"])
     summary = train(config)
@@ -157,7 +163,7 @@ def main() -> None:
     pairs_raw = write_preference_pairs(out, args.dpo_pairs, seed=1, held_out=held_out)
     print_report(clean([str(pairs_raw)], out / "pairs"))
     dpo_config = load_config("demo/dpo.yaml", [f"model_name={merged}", f"dataset_path={out / 'pairs'}",
-                                               f"output_dir={out / 'dpo'}"])
+                                               f"output_dir={out / 'dpo'}", f"dtype={args.dtype}"])
     dpo_summary = train(dpo_config)
     preferred = turn_accuracy(str(out / "dpo" / "final" / "merged"), tokenizer, test)
     print(f"held-out pairs ranked right (reward accuracy): {dpo_summary['val_rewards/accuracies']:.1%} of "
@@ -180,7 +186,7 @@ def main() -> None:
     # One pass, of the fine-tuned model: its per-example losses are what curate reads. (`build_map --compare` would
     # colour the change from a second pass of the base model, which costs the time of a training run here.)
     scored = out / "inference" / "after"
-    run_inference(InferenceConfig(model_name=str(merged), tokenizer_name=str(tokenizer_dir),
+    run_inference(InferenceConfig(model_name=str(merged), tokenizer_name=str(base),
                                   dataset_path=str(out / "clean"), seed=config.seed, val_fraction=config.val_fraction,
                                   max_length=config.max_length, prompt_template="chat", batch_size=16,
                                   output_dir=str(scored)))

