@@ -218,6 +218,9 @@ def hardware(work: Path, sizes: dict, mode: str) -> dict:
                    **{name: version(name) for name in ("torch", "transformers", "accelerate", "trl", "datasets",
                                                        "peft", "tokenizers", "pyarrow", "fsspec", "flash_attn")}}
     log(f"environment: {environment}")
+    published = published_peak(environment["gpu"])
+    log(f"published dense bf16 peak: {published / 1e12:.4g} TFLOP/s" if published else
+        "published dense bf16 peak: not known for this device (bench/gpu_peaks.py)")
     try:
         matmul = matmul_peak(sizes)
     except Exception as exc:  # the environment is still worth recording
@@ -446,6 +449,9 @@ def write_base(path: Path, sizes: dict) -> None:
         model = AutoModelForCausalLM.from_config(llama_config(sizes, tokenizer), dtype=torch.bfloat16)
     model.save_pretrained(path / "model")
     log(f"lora8b: base of {sum(p.numel() for p in model.parameters()):,} parameters saved in bf16")
+    del model
+    if cuda():  # the train.py process that follows needs the card, not this one's cached blocks
+        torch.cuda.empty_cache()
 
 
 def run_streaming(command: list[str]) -> list[str]:
