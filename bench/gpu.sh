@@ -666,7 +666,7 @@ def markdown(results: dict) -> str:
     else:
         lines += [f"error: {matmul['error']}", ""]
     published = results["published_peak_flops_per_s"]
-    lines += [f"Published dense bf16 peak of this GPU (bench/gpu_peaks.py, the yardstick other trainers divide by): "
+    lines += ["Published dense bf16 peak of this GPU (bench/gpu_peaks.py, the yardstick other trainers divide by): "
               + (f"**{published / 1e12:.4g} TFLOP/s**." if published else "not known for this device; the MFU "
                  "column against it is -."), ""]
     tests = results["cuda_tests"]
