@@ -1,26 +1,45 @@
 #!/usr/bin/env bash
-# The GPU benchmark, prepared to run once on a lent GPU machine (one H200) in under 8 minutes:
+# The GPU benchmark, prepared to run once on a lent GPU machine (one H100 or H200) in at most 9 minutes (a 540 s
+# budget: with the machine's start and the copies back it fits one 15-minute lease):
 #
 #   bash bench/gpu.sh [--out DIR] [--skip STAGE,...]   # results in DIR, else $OUT, else bench_gpu_out/
 #   bash bench/gpu.sh --dry-run --out DIR               # the same code paths at tiny sizes on a CPU
 #
-# Stages, each in its own process under its share of the time budget; a stage that fails or runs out of time is
-# recorded with its error line and the next one runs:
-#   hardware    versions, the GPU, and the bf16 matmul peak (the MFU denominator)
-#   cuda_tests  tests/test_cuda.py (bf16 numerics, packed examples kept apart by the attention kernels)
+# Stages, each in its own process under its share of the time budget, in the order they run (the most important
+# first: where the budget runs out it cuts the last ones); a stage that fails or runs out of time is recorded with
+# its error line and the next one runs. The seconds are estimates for one H100 (SXM, 989 TFLOP/s dense bf16): each
+# row's FLOPs at ~355 TFLOP/s (the 1B row's rate on the H200) or ~400 (LoRA, the 40% of 989 NeMo reports for 8B
+# LoRA on one H100), plus its start and loading:
+#   hardware    versions, the GPU, the bf16 matmul peak (the MFU denominator) and the GPU's published dense bf16
+#               peak (bench/gpu_peaks.py; a device not in its table gets none, and "-" in the published MFU column)
+#               (~20 s)
+#   cuda_tests  tests/test_cuda.py (bf16 numerics, packed examples kept apart by the attention kernels) (~60 s)
 #   prepare     a word-level tokenizer (32000 words), documents of random words (no downloads), the model's size
-#   ours        a ~1B Llama trained from random init by `python3 train.py --config ...` (causal_lm rows of 4096)
-#   trl         the same model, data and step size through TRL's SFTTrainer with packing=True (its default bfd)
-#   trl_wrapped the same with packing_strategy wrapped: fixed rows of max_length, the layout ours trains on
-#   smollm2_lora, smollm2_full, smollm2_lora_gc, smollm2_full_gc, smollm2_profile (the last: --profile, where the
-#               LoRA row's step time goes, with the plain transformers + PEFT step beside it)
-#               bench/train_throughput.py's SmolLM2 rows (ours packed against TRL packed, bf16, 3 alternating
-#               repeats; LoRA and full fine-tuning, without and with activation checkpointing) at 8 times the CPU
-#               batch, on SmolLM2-135M's shapes with random weights (the trained ones are not on that machine); carry
+#               (~15 s)
+#   ours        a ~1B Llama trained from random init by `python3 train.py --config ...` (causal_lm rows of 4096):
+#               25 steps of 32768 tokens at 7.84 GFLOP a token, 6.4 PFLOP: ~18 s of steps, ~60 s in all
+#   lora8b, lora8b_gc
+#               LoRA (r=16, every linear layer but the head) on a Llama-3-8B-shaped model (hidden 4096, 32 layers,
+#               32 heads, 8 KV heads, MLP 14336, vocab 128256) built from its config at random init, its frozen base
+#               in bf16, by train.py; without and with activation checkpointing (tokens/s, MFU both ways, peak GPU
+#               memory). 8 steps of 2 x 2048 tokens at 4N + 6 n_lora + 12 n_layer hidden seq = 33.5 GFLOP a token:
+#               1.1 PFLOP, ~3 s of steps (~5 s with checkpointing's second forward). Loading dominates: the first
+#               row builds the 8.0B random weights on the GPU and saves them (16 GB, ~30 s), each row's train.py
+#               loads them (~20 s) after its imports: ~75 s, then ~45 s
+#   smollm2_lora bench/train_throughput.py's SmolLM2 LoRA row (ours packed against TRL packed, bf16, 3 alternating
+#               repeats) at 8 times the CPU batch, on SmolLM2-135M's shapes with random weights (the trained ones are
+#               not on that machine); host-bound, 6 fresh processes: its 120 s cap. Carry
 #               .cache/bench/smollm2-135m-shape and .cache/bench/dolly-clean, which bench/harness.py builds here.
-#               The dry run runs one such stage on the tiny GPT-J.
-#   report      results.json and results.md
-# The out dir gets results.json, results.md, log.txt and ours_metrics.jsonl (the run's own per-step rows).
+#               The dry run runs this one stage on the tiny GPT-J.
+#   trl_wrapped the 1B model, data and step size through TRL's SFTTrainer with packing=True and packing_strategy
+#               wrapped: fixed rows of max_length, the layout ours trains on (~60 s)
+#   smollm2_full, smollm2_profile (--profile: where the LoRA row's step time goes, with the plain transformers +
+#               PEFT step beside it), trl (packing=True, its default bfd: measured twice on the H200),
+#               smollm2_lora_gc, smollm2_full_gc: 120-150 s each, run as far as the budget reaches (the stages
+#               up to trl_wrapped are estimated at ~455 s, so smollm2_full is the first one cut short)
+#   report      results.json and results.md: every row's MFU against the measured matmul peak and against the
+#               published peak (null / "-" where the device is not in the table, as in the dry run)
+# The out dir gets results.json, results.md, log.txt and NAME_metrics.jsonl (each train.py row's per-step rows).
 # --skip leaves stages out (the report says "not run"), to spend a short lease on what is not yet measured.
 #
 #   bash bench/gpu.sh --qlora [--out DIR]     # (with --dry-run: tiny sizes on a CPU)
@@ -51,7 +70,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 repo=$PWD
 python=${PYTHON:-python3}
-if ((dry_run)); then mode=dry-run budget=300; else mode=full budget=480; fi
+if ((dry_run)); then mode=dry-run budget=300; else mode=full budget=540; fi
 reserve=20  # seconds kept back for the report, whatever the stages before it took
 log=$out/log.txt
 : > "$log"
@@ -123,6 +142,9 @@ from importlib import metadata
 from pathlib import Path
 from xml.etree import ElementTree
 
+sys.path.insert(0, str(Path.cwd() / "bench"))  # run from the repository: gpu_peaks, and train_throughput's table
+from gpu_peaks import mfu, published_peak  # noqa: E402
+
 SIZES = {
     # A ~1B Llama (16 layers of 10.5M attention + 50.3M MLP weights, untied 65.5M embedding and LM head). A step is
     # 8 rows of 4096 tokens, as 2 micro-batches of 4 rows: about 65 GB of activations, params and AdamW state.
@@ -133,11 +155,26 @@ SIZES = {
                 "seq": 128, "micro_batch": 2, "accumulation": 2, "steps": 3, "warmup": 1, "num_proc": 1,
                 "matmul": 256, "matmul_repeats": 3},
 }
+# The LoRA rows: Llama-3-8B's shapes (untied 128256-word embedding and head), LoRA r=16 on every linear layer but
+# the head, the base stored in bf16; a step is 2 micro-batches of one 2048-token row. The activations one row keeps
+# without checkpointing come to roughly 200 KB a token a layer, ~13 GB: beside the 16 GB of weights both rows fit an
+# 80 GB card.
+LORA_SIZES = {
+    "full": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 128256,
+             "seq": 2048, "micro_batch": 1, "accumulation": 2, "steps": 8, "warmup": 2, "num_proc": 4},
+    "dry-run": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512,
+                "seq": 128, "micro_batch": 1, "accumulation": 2, "steps": 3, "warmup": 1, "num_proc": 1},
+}
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "lr": 2e-4}
 EOS, UNK = "<|endoftext|>", "<unk>"
 LR, LR_WARMUP = 1e-4, 2  # speed does not depend on them; both rows use the same
 DATA_MARGIN = 1.5  # documents hold this many times the tokens the steps consume, so no row repeats
 MATMUL_ROUNDS = 3  # the peak is the best round: a clock still ramping up would lower a single one
 FLOPS_FORMULA = "6N + 12 * n_layer * hidden * seq"
+# LoRA: the frozen base's forward and activation gradients (no weight gradients), the adapter's full 6 per parameter,
+# the attention products as above (their backward is all activation gradients). A checkpointed run computes a
+# second forward that this count leaves out (MFU counts the model's FLOPs, not the hardware's).
+LORA_FLOPS_FORMULA = "4N + 6 * n_lora + 12 * n_layer * hidden * seq"
 SDPA_PACKING = ("; TRL documents padding-free for FlashAttention 2/3: under sdpa, transformers turns the restarting "
                 "positions into a block-diagonal mask over the whole flattened micro-batch, run by a masked kernel")
 
@@ -181,6 +218,9 @@ def hardware(work: Path, sizes: dict, mode: str) -> dict:
                    **{name: version(name) for name in ("torch", "transformers", "accelerate", "trl", "datasets",
                                                        "peft", "tokenizers", "pyarrow", "fsspec", "flash_attn")}}
     log(f"environment: {environment}")
+    published = published_peak(environment["gpu"])
+    log(f"published dense bf16 peak: {published / 1e12:.4g} TFLOP/s" if published else
+        "published dense bf16 peak: not known for this device (bench/gpu_peaks.py)")
     try:
         matmul = matmul_peak(sizes)
     except Exception as exc:  # the environment is still worth recording
@@ -260,64 +300,89 @@ def llama_config(sizes: dict, tokenizer):
 def prepare(work: Path, sizes: dict, mode: str) -> dict:
     """A word-level tokenizer (one token per word, so a document's length in tokens is exact) and documents of
     random words, enough for every step of both rows; the model's parameter counts from a meta-device build."""
-    import numpy as np
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    tokenizer = write_tokenizer(work / "tokenizer", sizes["vocab"])
+    documents, tokens = write_documents(work / "data.jsonl", sizes)
+    model = meta_model(sizes, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_matmul = n_params - model.get_input_embeddings().weight.numel()
+    flops_per_token = 6 * n_matmul + 12 * sizes["layers"] * sizes["hidden"] * sizes["seq"]
+    log(f"model: {n_params:,} parameters, N = {n_matmul:,} without the input embedding; "
+        f"{flops_per_token / 1e9:.2f} GFLOP per token")
+    return {"status": "ok", "sizes": sizes, "vocab": len(tokenizer), "documents": documents, "tokens": tokens,
+            "n_params": n_params, "n_params_flops": n_matmul, "flops_per_token": flops_per_token,
+            "flops_formula": FLOPS_FORMULA, "overrides": model_overrides(sizes)}
 
-    words = [f"w{i}" for i in range(2, sizes["vocab"])]
+
+def write_tokenizer(path: Path, vocab: int):
+    """A word-level tokenizer of `vocab` tokens (EOS, UNK and the words w2...), saved to `path` and loaded back."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(2, vocab)]
     backend = Tokenizer(models.WordLevel({EOS: 0, UNK: 1, **{w: i for i, w in enumerate(words, start=2)}},
                                          unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens([EOS, UNK])
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, unk_token=UNK, pad_token=EOS).save_pretrained(
-        work / "tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
+        path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def write_documents(path: Path, sizes: dict) -> tuple[int, int]:
+    """Documents of random words (seq/8 to seq/2 each), DATA_MARGIN times the tokens every step consumes, as JSON
+    lines at `path`: their count and tokens."""
+    import numpy as np
 
     seq = sizes["seq"]
     needed = DATA_MARGIN * sizes["steps"] * sizes["micro_batch"] * sizes["accumulation"] * seq
     rng = np.random.default_rng(0)
     records, tokens = [], 0
     while tokens < needed:
-        ids = rng.integers(0, len(words), size=int(rng.integers(seq // 8, seq // 2 + 1)))
-        records.append(json.dumps({"text": " ".join(words[i] for i in ids)}))
+        ids = rng.integers(2, sizes["vocab"], size=int(rng.integers(seq // 8, seq // 2 + 1)))
+        records.append(json.dumps({"text": " ".join(f"w{i}" for i in ids)}))
         tokens += len(ids)
-    (work / "data.jsonl").write_text("\n".join(records) + "\n", encoding="utf-8")
+    path.write_text("\n".join(records) + "\n", encoding="utf-8")
     log(f"data: {len(records)} documents of {seq // 8}-{seq // 2} words, {tokens:,} tokens")
+    return len(records), tokens
+
+
+def meta_model(sizes: dict, tokenizer):
+    """The model both the CLI and TRL build, on the meta device: its shapes without its memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(llama_config(sizes, tokenizer))
-    n_params = sum(p.numel() for p in model.parameters())
-    n_matmul = n_params - model.get_input_embeddings().weight.numel()
-    flops_per_token = 6 * n_matmul + 12 * sizes["layers"] * sizes["hidden"] * seq
-    log(f"model: {n_params:,} parameters, N = {n_matmul:,} without the input embedding; "
-        f"{flops_per_token / 1e9:.2f} GFLOP per token")
-    return {"status": "ok", "sizes": sizes, "vocab": len(tokenizer), "documents": len(records), "tokens": tokens,
-            "n_params": n_params, "n_params_flops": n_matmul, "flops_per_token": flops_per_token,
-            "flops_formula": FLOPS_FORMULA, "overrides": model_overrides(sizes)}
+        return AutoModelForCausalLM.from_config(llama_config(sizes, tokenizer))
 
 
 # ---------------------------------------------------------------- ours: the training CLI
 
 def ours(work: Path, sizes: dict, mode: str) -> dict:
+    model = {"init": "from_config", "model_config": "llama", "model_config_overrides": model_overrides(sizes)}
+    return train_cli(work, "ours", sizes, model, work / "tokenizer", work / "data.jsonl", {})
+
+
+def train_cli(work: Path, name: str, sizes: dict, model: dict, tokenizer: Path, data: Path, settings: dict) -> dict:
+    """`python3 train.py` on the Llama of `sizes` that the `model` keys give (causal_lm rows of seq tokens, bf16),
+    with `settings` over the shared config; the row's throughput from its per-step metrics, copied to
+    NAME_metrics.jsonl."""
     import yaml
 
-    output_dir = work / "ours"
-    config = {"objective": "causal_lm", "init": "from_config", "model_config": "llama",
-              "model_config_overrides": model_overrides(sizes), "tokenizer_name": str(work / "tokenizer"),
-              "dtype": "bfloat16", "dataset_path": str(work / "data.jsonl"), "max_length": sizes["seq"],
+    output_dir = work / name
+    config = {"objective": "causal_lm", **model, "tokenizer_name": str(tokenizer),
+              "dtype": "bfloat16", "dataset_path": str(data), "max_length": sizes["seq"],
               "val_fraction": 0.0, "num_proc": sizes["num_proc"], "batch_size": sizes["micro_batch"],
               "gradient_accumulation_steps": sizes["accumulation"], "lr_schedule": "cosine", "lr": LR,
               "warmup_steps": LR_WARMUP, "weight_decay": 0.0, "max_grad_norm": 1.0, "num_epochs": 100,
               "max_steps": sizes["steps"], "seed": 0, "eval_every": None, "save_every": None, "log_every": 1,
-              "log_grads_every": None, "output_dir": str(output_dir), "report_to": ["jsonl"]}
-    (work / "ours.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    output = run_streaming([sys.executable, "train.py", "--config", str(work / "ours.yaml")])
+              "log_grads_every": None, "output_dir": str(output_dir), "report_to": ["jsonl"], **settings}
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    output = run_streaming([sys.executable, "train.py", "--config", str(work / f"{name}.yaml")])
     reported = re.search(r"parameters: ([\d,]+) trainable of ([\d,]+)", "\n".join(output))
 
     rows = [r for r in map(json.loads, (output_dir / "metrics.jsonl").read_text().splitlines())
             if "tokens_per_s" in r]
-    (work / "ours_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (work / f"{name}_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     # log_every 1: each row is one step's window. Its seconds follow from the row's trained tokens (the running
     # total's increase) over its trained tokens/s; its tokens (every position: causal_lm rows have no padding)
     # from tokens/s times those seconds.
@@ -331,8 +396,62 @@ def ours(work: Path, sizes: dict, mode: str) -> dict:
             "memory_kind": "torch.cuda.max_memory_allocated" if memory_key == "peak_gpu_mb" else "host peak RSS",
             "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
             "n_params": int(reported.group(2).replace(",", "")) if reported else None,
+            "n_trainable": int(reported.group(1).replace(",", "")) if reported else None,
             "attention": "sdpa (transformers' default), one causal sequence per row",
-            "command": f"python3 train.py --config ours.yaml  ({json.dumps(config)})"}
+            "command": f"python3 train.py --config {name}.yaml", "config": config}
+
+
+# ---------------------------------------------------------------- the 8B-shaped LoRA rows
+
+def lora8b(work: Path, sizes: dict, mode: str, checkpointing: bool = False) -> dict:
+    """LoRA on every linear layer but the head of a Llama-3-8B-shaped model from random init, its frozen base stored
+    in bf16, trained by train.py; with `checkpointing`, activation checkpointing on. The first of the two rows to run
+    writes the tokenizer, the documents and the model (train.py adapts only a model it loads, and nothing can be
+    downloaded on the GPU machine)."""
+    sizes = LORA_SIZES[mode]  # its own, not the 1B rows' sizes the other stages take
+    shared = work / "lora8b_base"
+    if not (shared / "model").is_dir():
+        write_base(shared, sizes)
+    from torch import nn
+    from transformers import AutoTokenizer
+
+    model = meta_model(sizes, AutoTokenizer.from_pretrained(shared / "tokenizer"))
+    n_matmul = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    # PEFT's all-linear: every nn.Linear but the output head, each adapted by A (r x in) and B (out x r).
+    n_lora = sum(LORA["r"] * (module.in_features + module.out_features) for module in model.modules()
+                 if isinstance(module, nn.Linear) and module is not model.get_output_embeddings())
+    flops_per_token = 4 * n_matmul + 6 * n_lora + 12 * sizes["layers"] * sizes["hidden"] * sizes["seq"]
+    log(f"lora8b: N = {n_matmul:,}, {n_lora:,} LoRA parameters; {flops_per_token / 1e9:.2f} GFLOP per token")
+    name = "lora8b_gc" if checkpointing else "lora8b"
+    settings = {"lora": True, "lora_r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": LORA["dropout"],
+                "lr": LORA["lr"], "gradient_checkpointing": checkpointing}  # lora_target_modules unset: all-linear
+    row = train_cli(work, name, sizes, {"model_name": str(shared / "model")}, shared / "tokenizer",
+                    shared / "data.jsonl", settings)
+    return {**row, "sizes": sizes, "gradient_checkpointing": checkpointing, "n_params_flops": n_matmul,
+            "n_lora": n_lora, "flops_per_token": flops_per_token, "flops_formula": LORA_FLOPS_FORMULA}
+
+
+def lora8b_gc(work: Path, sizes: dict, mode: str) -> dict:
+    return lora8b(work, sizes, mode, checkpointing=True)
+
+
+def write_base(path: Path, sizes: dict) -> None:
+    """The LoRA rows' tokenizer and documents, and their base: random weights (seeded) built in bf16 on the GPU
+    where there is one (seconds; the host takes a minute or more for 8B weights), saved as a model folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path.mkdir(exist_ok=True)
+    tokenizer = write_tokenizer(path / "tokenizer", sizes["vocab"])
+    write_documents(path / "data.jsonl", sizes)
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda() else "cpu"):
+        model = AutoModelForCausalLM.from_config(llama_config(sizes, tokenizer), dtype=torch.bfloat16)
+    model.save_pretrained(path / "model")
+    log(f"lora8b: base of {sum(p.numel() for p in model.parameters()):,} parameters saved in bf16")
+    del model
+    if cuda():  # the train.py process that follows needs the card, not this one's cached blocks
+        torch.cuda.empty_cache()
 
 
 def run_streaming(command: list[str]) -> list[str]:
@@ -436,23 +555,27 @@ def report(work: Path, mode: str, out: Path, budget: int, elapsed: int) -> None:
     matmul = hardware_result.get("matmul", hardware_result)
     spec = load(work, "prepare")
     peak = matmul.get("peak_flops_per_s")
-    rows = {name: load(work, name) for name in ("ours", "trl", "trl_wrapped")}
+    published = published_peak(environment.get("gpu"))
+    rows = {name: load(work, name) for name in ROWS}
     for row in rows.values():
-        if row["status"] == "ok" and "flops_per_token" in spec:
-            row["achieved_flops_per_s"] = spec["flops_per_token"] * row["tokens_per_s"]
-            row["mfu"] = row["achieved_flops_per_s"] / peak if peak else None
+        flops_per_token = row.get("flops_per_token", spec.get("flops_per_token"))
+        if row["status"] == "ok" and flops_per_token:
+            row["achieved_flops_per_s"] = flops_per_token * row["tokens_per_s"]
+            row["mfu"] = mfu(row["achieved_flops_per_s"], peak)
+            row["mfu_published"] = mfu(row["achieved_flops_per_s"], published)
     both = rows["ours"]["status"] == rows["trl"]["status"] == "ok"
     wrapped = rows["ours"]["status"] == rows["trl_wrapped"]["status"] == "ok"
     results = {"mode": mode, "budget_s": budget, "elapsed_s": elapsed, "environment": environment,
-               "matmul": matmul, "cuda_tests": cuda_tests(work), "model": spec, "rows": rows,
-               "smollm2": {name: smollm2_table(work, name) for name in SMOLLM2_ROWS},
+               "matmul": matmul, "published_peak_flops_per_s": published, "cuda_tests": cuda_tests(work),
+               "model": spec, "rows": rows,
+               "smollm2": {name: smollm2_table(work, name, peak, published) for name in SMOLLM2_ROWS},
                "ours_over_trl": rows["ours"]["tokens_per_s"] / rows["trl"]["tokens_per_s"] if both else None,
                "ours_over_trl_wrapped": (rows["ours"]["tokens_per_s"] / rows["trl_wrapped"]["tokens_per_s"]
                                          if wrapped else None)}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (out / "results.md").write_text(markdown(results), encoding="utf-8")
-    if (work / "ours_metrics.jsonl").is_file():
-        (out / "ours_metrics.jsonl").write_bytes((work / "ours_metrics.jsonl").read_bytes())
+    for metrics in sorted(work.glob("*_metrics.jsonl")):
+        (out / metrics.name).write_bytes(metrics.read_bytes())
     log(f"results: {out / 'results.json'}, {out / 'results.md'}")
 
 
@@ -479,12 +602,13 @@ def exit_error(work: Path, stage: str) -> str:
     return f"{why}: {lines[-1][:300]}" if lines else why
 
 
+ROWS = ("ours", "trl", "trl_wrapped", "lora8b", "lora8b_gc")
 SMOLLM2_ROWS = ("smollm2_lora", "smollm2_full", "smollm2_lora_gc", "smollm2_full_gc", "smollm2_profile")
 
 
-def smollm2_table(work: Path, stage: str) -> dict:
-    """A bench/train_throughput.py stage: every run's numbers and the markdown table it prints, or why there is
-    none."""
+def smollm2_table(work: Path, stage: str, peak: float | None, published: float | None) -> dict:
+    """A bench/train_throughput.py stage: every run's numbers and the markdown table it prints, and per row the
+    median model FLOP/s over the measured seconds with its MFU on both peaks; or why there is none."""
     path = work / f"{stage}.json"
     if not path.is_file():
         return {"status": "error", "error": exit_error(work, stage)}
@@ -494,7 +618,12 @@ def smollm2_table(work: Path, stage: str) -> dict:
     variants = [v for v, done in runs.items() if done]
     if not variants:
         return {"status": "error", "error": "no run finished: " + exit_error(work, stage)}
-    return {"status": "ok", "runs": runs, "table": train_throughput.table(runs, variants)}
+    mfus = {}
+    for variant in variants:
+        achieved = statistics.median(r["model_flops"] / r["measured_seconds"] for r in runs[variant])
+        mfus[variant] = {"label": train_throughput.LABELS[variant], "achieved_flops_per_s": achieved,
+                         "mfu": mfu(achieved, peak), "mfu_published": mfu(achieved, published)}
+    return {"status": "ok", "runs": runs, "table": train_throughput.table(runs, variants), "mfu": mfus}
 
 
 def cuda_tests(work: Path) -> dict:
@@ -536,6 +665,10 @@ def markdown(results: dict) -> str:
                       f"{matmul['method']}.", ""]
     else:
         lines += [f"error: {matmul['error']}", ""]
+    published = results["published_peak_flops_per_s"]
+    lines += ["Published dense bf16 peak of this GPU (bench/gpu_peaks.py, the yardstick other trainers divide by): "
+              + (f"**{published / 1e12:.4g} TFLOP/s**." if published else "not known for this device; the MFU "
+                 "column against it is -."), ""]
     tests = results["cuda_tests"]
     lines += ["## CUDA tests (tests/test_cuda.py)", ""]
     if tests["status"] == "ok":
@@ -563,23 +696,35 @@ def markdown(results: dict) -> str:
             f"FLOPs; the attention term counts the full seq x seq score and value products, causal or not).",
             "Tokens/s = the timed steps' tokens (every position the model ran; neither row pads) summed over their "
             "seconds summed. "
-            "MFU = FLOPs per token x tokens/s / the matmul peak.", ""]
+            "MFU = FLOPs per token x tokens/s / the measured matmul peak; MFU (published) the same over the "
+            "published dense bf16 peak.", ""]
     else:
         lines += [f"prepare: {spec['error']}", ""]
+    lora = rows["lora8b"] if rows["lora8b"]["status"] == "ok" else rows["lora8b_gc"]
+    if lora["status"] == "ok":
+        s = lora["sizes"]
+        lines += [f"LoRA rows: a Llama from random init, Llama-3-8B's shapes in the full run (hidden {s['hidden']}, "
+                  f"{s['layers']} layers, {s['heads']} heads, {s['kv_heads']} KV heads, MLP {s['intermediate']}, "
+                  f"vocab {s['vocab']}, untied), its frozen base stored in bf16, LoRA r={LORA['r']} alpha "
+                  f"{LORA['alpha']} on every linear layer but the head ({lora['n_lora']:,} parameters); rows of "
+                  f"{s['seq']} tokens, "
+                  f"{s['micro_batch'] * s['accumulation']} rows per step; {s['steps']} steps, the first "
+                  f"{s['warmup']} untimed. FLOPs per token = {lora['flops_formula']} = {lora['flops_per_token']:,} "
+                  f"(N = {lora['n_params_flops']:,}); checkpointing's recomputed forward is not counted.", ""]
     lines += ["| row | tokens/s | tokens / seconds (timed steps) | tokens per step | median step s | peak MiB | "
-              "achieved TFLOP/s | MFU |", "|---|---|---|---|---|---|---|---|"]
+              "achieved TFLOP/s | MFU | MFU (published) |", "|---|---|---|---|---|---|---|---|---|"]
     names = {"ours": "ours (train.py, causal_lm rows)", "trl": "TRL SFTTrainer, packing=True (bfd, its default)",
-             "trl_wrapped": "TRL SFTTrainer, packing=True, packing_strategy wrapped"}
+             "trl_wrapped": "TRL SFTTrainer, packing=True, packing_strategy wrapped",
+             "lora8b": "8B-shaped LoRA (train.py)", "lora8b_gc": "8B-shaped LoRA + activation checkpointing"}
     for name, row in rows.items():
         if row["status"] != "ok":
-            lines.append(f"| {names[name]} | {row['status']}: {row['error']} | | | | | | |")
+            lines.append(f"| {names[name]} | {row['status']}: {row['error']} | | | | | | | |")
             continue
-        mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"
         achieved = f"{row['achieved_flops_per_s'] / 1e12:.4g}" if "achieved_flops_per_s" in row else "-"
         lines.append(f"| {names[name]} | **{row['tokens_per_s']:,.0f}** | {row['tokens']:,.0f} / "
                      f"{row['seconds']:.2f} ({row['timed_steps']} steps) | {row['tokens_per_step']:,.0f} | "
                      f"{row['step_seconds_median']:.3f} | {row['peak_memory_mb']:,.0f} ({row['memory_kind']}) | "
-                     f"{achieved} | {mfu} |")
+                     f"{achieved} | {percent(row.get('mfu'))} | {percent(row.get('mfu_published'))} |")
     if results["ours_over_trl"] is not None:
         lines += ["", f"ours / TRL (bfd): **{results['ours_over_trl']:.2f}x** tokens/s."]
     if results["ours_over_trl_wrapped"] is not None:
@@ -597,17 +742,27 @@ def markdown(results: dict) -> str:
     lines += ["", "## bench/train_throughput.py rows", "",
               "SmolLM2-135M's shapes with random weights; the dry run: the tiny GPT-J.", ""]
     for name, table in results["smollm2"].items():
-        lines += [f"### {name}", "", table["table"] if table["status"] == "ok" else f"{table['status']}: "
-                  f"{table['error']}", ""]
+        if table["status"] != "ok":
+            lines += [f"### {name}", "", f"{table['status']}: {table['error']}", ""]
+            continue
+        lines += [f"### {name}", "", table["table"], "", "| run | model TFLOP/s (median) | MFU | MFU (published) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {m['label']} | {m['achieved_flops_per_s'] / 1e12:.4g} | {percent(m['mfu'])} | "
+                  f"{percent(m['mfu_published'])} |" for m in table["mfu"].values()]
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
-STAGES = {"hardware": hardware, "prepare": prepare, "ours": ours, "trl": trl, "trl_wrapped": trl_wrapped}
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
+
+
+STAGES = {"hardware": hardware, "prepare": prepare, "ours": ours, "trl": trl, "trl_wrapped": trl_wrapped,
+          "lora8b": lora8b, "lora8b_gc": lora8b_gc}
 
 
 def main() -> None:
     stage, work, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    sys.path.insert(0, str(Path.cwd() / "bench"))  # the report reads train_throughput's table
     if stage == "report":
         report(work, mode, Path(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         return
@@ -635,27 +790,41 @@ if ((qlora)); then
   say "done in $SECONDS s"
   exit 0
 fi
+# smollm2 ROW: bench/train_throughput.py's SmolLM2 stage ROW (lora, full, lora_gc, full_gc); the dry run runs the
+# lora one on the tiny GPT-J.
+smollm2() {
+  local row=$1 model=smollm2 variants=ours-packed,trl-packed
+  if ((dry_run)); then
+    [[ $row == lora ]] || return 0
+    stage smollm2_lora 150 "$python" bench/train_throughput.py --model tiny-gptj --steps 3 --repeats 1 \
+      --variants $variants --json "$work/smollm2_lora.json"
+    return
+  fi
+  [[ $row == full* ]] && model=smollm2-full
+  [[ $row == *_gc ]] && variants=ours-packed-gc,trl-packed-gc
+  stage "smollm2_$row" 120 "$python" bench/train_throughput.py --model $model --init random --scale 8 \
+    --repeats 3 --variants $variants --json "$work/smollm2_$row.json"
+}
+
 say "GPU benchmark, $mode: results in $out, budget ${budget} s"
+# The most important rows first: the budget cuts the last ones. Estimates on one H100 (989 TFLOP/s dense bf16 at
+# the MFU measured on the H200) in the header above.
 stage hardware 90 "$python" "$work/bench.py" hardware "$work" "$mode"
 stage cuda_tests 120 "$python" -m pytest -q -p no:cacheprovider --junitxml="$work/cuda_tests.xml" tests/test_cuda.py
 stage prepare 90 "$python" "$work/bench.py" prepare "$work" "$mode"
 stage ours 210 "$python" "$work/bench.py" ours "$work" "$mode"
-stage trl 150 "$python" "$work/bench.py" trl "$work" "$mode"
+stage lora8b 150 "$python" "$work/bench.py" lora8b "$work" "$mode"
+stage lora8b_gc 150 "$python" "$work/bench.py" lora8b_gc "$work" "$mode"
+smollm2 lora
 stage trl_wrapped 150 "$python" "$work/bench.py" trl_wrapped "$work" "$mode"
-if ((dry_run)); then
-  stage smollm2_lora 150 "$python" bench/train_throughput.py --model tiny-gptj --steps 3 --repeats 1 \
-    --variants ours-packed,trl-packed --json "$work/smollm2_lora.json"
-else
-  for row in lora full lora_gc full_gc; do
-    model=smollm2 variants=ours-packed,trl-packed
-    [[ $row == full* ]] && model=smollm2-full
-    [[ $row == *_gc ]] && variants=ours-packed-gc,trl-packed-gc
-    stage "smollm2_$row" 120 "$python" bench/train_throughput.py --model $model --init random --scale 8 \
-      --repeats 3 --variants $variants --json "$work/smollm2_$row.json"
-  done
+smollm2 full
+if ((!dry_run)); then
   # Where the time goes on the GPU: the LoRA row profiled (its speeds are the profiler's, not the row's).
   stage smollm2_profile 120 "$python" bench/train_throughput.py --model smollm2 --init random --scale 8 --steps 6 \
     --repeats 1 --variants ours-packed,trl-packed,plain --profile --skip-eval --json "$work/smollm2_profile.json"
 fi
+stage trl 150 "$python" "$work/bench.py" trl "$work" "$mode"
+smollm2 lora_gc
+smollm2 full_gc
 "$python" "$work/bench.py" report "$work" "$mode" "$out" "$budget" "$SECONDS" 2>&1 | tee -a "$log"
 say "done in $SECONDS s"
