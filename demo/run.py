@@ -34,7 +34,7 @@ from demo.tasks import exact_match, write_conversation_splits, write_preference_
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EVAL_TASKS = ("gpt4all_arithmetic_choice", "gpt4all_last_word", "gpt4all_exact_match")
 EVAL_LIMIT = 12  # examples per task: enough to see the change, kept small for the 15-minute budget
-GRPO_PROMPTS = 16  # prompts of the grpo stage, 4 a step: kept small for the 15-minute budget
+GRPO_PROMPTS = 48  # prompts of the grpo stage, 4 a step: 12 steps, within the 15-minute budget
 
 
 def smollm2_gguf() -> Path:
