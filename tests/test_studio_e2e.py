@@ -48,7 +48,9 @@ DOCS_IMAGES = REPO / "docs" / "images"
 PRESET = REPO / "configs" / "train" / "chat_tiny.yaml"
 # 20 optimizer steps of 4 micro-batches: long enough (about 0.25 s a step on 2 cores) to be stopped by a click after
 # the second row, short enough for CI.
-RUN = {"max_steps": 20, "gradient_accumulation_steps": 4, "save_every": 5}
+# Long enough that the stop lands mid-run: the tiny model trains about 20 steps a second once its process is up, and a
+# stop that arrives during the last step lets the run finish instead (a race a 20-step run lost in CI).
+RUN = {"max_steps": 200, "gradient_accumulation_steps": 4, "save_every": 5}
 QUESTION = TOPICS[2][0]
 HIGHLIGHT = (199, 240, 207)  # mark.trained's background
 LOSS_LINE = (31, 119, 180)
@@ -206,7 +208,7 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         set_value(browser, "field-lr", "0.003")
         click(browser, "train-plan")
         wait(browser, "document.getElementById('train-output').textContent.includes('in total')", 120, "train")
-        assert "20 optimiser steps in total" in text(browser, "train-output")
+        assert f"{RUN['max_steps']} optimiser steps in total" in text(browser, "train-output")
         assert text(browser, "train-error") == ""
         assert text(browser, "train-command") == "gpt4all-training plan --config configs/tiny-chat.yaml"
         click(browser, "train-check")
