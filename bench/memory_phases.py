@@ -1,8 +1,8 @@
-"""Peak RSS after each phase of our training run: `python bench/memory_phases.py [smollm2|smollm2-full]`.
+"""Peak RSS after each phase of our training run: `python bench/memory_phases.py [smollm2|smollm2-full] [dtype]`.
 
 Wraps `loop.train`'s phases (the objective's build_model, prepare, every train_step, finish_run, save_final) and prints
-the process's current and peak RSS before and after each, for a packed fp32 run of 3 steps with the model's bench
-settings: where in a run the peak memory is taken.
+the process's current and peak RSS before and after each, for a packed run of 3 steps (fp32 unless `dtype` says
+bfloat16) with the model's bench settings: where in a run the peak memory is taken.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
     for name in ("prepare", "train_step", "finish_run"):
         traced(loop, name)
     traced(final, "save_final")
-    harness.MODELS[kind]["dtype"] = "float32"
+    harness.MODELS[kind]["dtype"] = sys.argv[2] if len(sys.argv) > 2 else "float32"
     out = harness.WORK / "runs" / "memory-phases"
     shutil.rmtree(out, ignore_errors=True)
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, 3)

@@ -10,6 +10,8 @@ warmup), clipping and precision. The rows differ only in what they are named for
                their attention mask), stacked like their DefaultDataCollator.
   ours         this repository with default settings (pad each micro-batch to its longest example).
   ours-packed  packing: true.
+  ours-packed-rows  packing: true in rows of up to max_length with the block-diagonal mask, as on a GPU (on a CPU
+               ours-packed puts each micro-batch in one row, attended example by example: model/attention.py).
   trl          TRL SFTTrainer with its defaults for prompt/completion data (completion-only loss, pad to the
                longest, its fused LM-head loss, gradient checkpointing on, as SFTConfig defaults to).
   trl-packed   TRL with packing=True (its default strategy, best-fit decreasing, which makes the batches
@@ -47,16 +49,17 @@ import harness  # noqa: E402
 from step_profile import StepProfile, shares_table  # noqa: E402
 
 REQUIRED = ["gpt4all", "ours", "ours-packed", "trl", "trl-packed"]
-EXTRA = ["trl-nogc", "ours-grouped", "ours-packed-compile", "ours-packed-gc", "trl-packed-gc", "plain"]
+EXTRA = ["ours-packed-rows", "trl-nogc", "ours-grouped", "ours-packed-compile", "ours-packed-gc", "trl-packed-gc", "plain"]
 LABELS = {
     "gpt4all": "gpt4all-style (pad to max_length)", "ours": "ours (default)", "ours-packed": "ours + packing",
+    "ours-packed-rows": "ours + packing in masked rows",
     "trl": "TRL SFTTrainer (defaults)", "trl-nogc": "TRL, grad. checkpointing off",
     "trl-packed": "TRL + packing, grad. checkpointing off", "ours-grouped": "ours + group_by_length",
     "ours-packed-compile": "ours + packing + compile", "ours-packed-gc": "ours + packing + grad. checkpointing",
     "trl-packed-gc": "TRL + packing + grad. checkpointing", "plain": "plain transformers (+ PEFT) step",
 }
-OURS_EXTRA = {"ours": [], "ours-packed": ["packing=true"], "ours-grouped": ["group_by_length=true"],
-              "ours-packed-compile": ["packing=true", "compile=true"], "gpt4all": [],
+OURS_EXTRA = {"ours": [], "ours-packed": ["packing=true"], "ours-packed-rows": ["packing=true"],
+              "ours-grouped": ["group_by_length=true"], "ours-packed-compile": ["packing=true", "compile=true"], "gpt4all": [],
               "ours-packed-gc": ["packing=true", "gradient_checkpointing=true"]}
 # SFTConfig settings of each TRL row besides the shared ones (gradient checkpointing is on in SFTConfig's defaults).
 TRL_EXTRA = {"trl": {}, "trl-nogc": {"gradient_checkpointing": False},
@@ -146,9 +149,12 @@ def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfil
         return result
 
     loop.train_step = timed_train_step
+    if variant == "ours-packed-rows":  # the layout a GPU backend asks for, on this CPU
+        from gpt4all_training.backends.backend import Backend
+        Backend.attends_per_example = property(lambda self: False)  # type: ignore[method-assign,assignment]
     if variant == "gpt4all":  # the sft objective's tokenization and batches, replaced by theirs
         sft_objective.load_data = gpt4all_load_data
-        sft_objective.batch_fetcher = lambda packing, max_length: gpt4all_fetch
+        sft_objective.batch_fetcher = lambda packing, max_length, one_row=False: gpt4all_fetch
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + OURS_EXTRA[variant]))
     return summarize(steps_log, cpu_ends, started[0], harness.peak_memory_mb(), out / "final", kind)

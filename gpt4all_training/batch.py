@@ -8,6 +8,8 @@ Keys:
 - `position_ids` and `sequence_ids`: packed batches instead of an attention mask. Positions restart at 0 for every
   example (and for a row's padding), which is how transformers finds the packed sequences' boundaries;
   sequence_ids number a row's examples from 1 and mark padding 0, bookkeeping that never reaches the model.
+- `cu_seq_lens_q`: a packed batch of one row for a model that attends example by example (model/attention.py):
+  where its examples start, (0, n1, n1 + n2, ...), int32.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 IGNORE = -100  # the label of a position that is not trained (torch's cross_entropy ignore_index)
-MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q")
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:

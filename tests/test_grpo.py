@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.files import read_jsonl, write_config, write_jsonl
-from support.launch import accelerate_fsdp2, explain, run_train, torchrun
+from support.launch import accelerate_deepspeed, accelerate_fsdp2, explain, run_train, torchrun
+from support.paths import REPO
 from support.outputs import assert_bitwise_equal_weights, exact_rows, max_weight_difference
 
 from gpt4all_training.backends.accelerate import backend_for
@@ -544,17 +545,19 @@ def one_process_runs(tiny_model_dir, prompts_dir, reward_file, tmp_path_factory)
 @pytest.mark.integration
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("launcher", ["ddp", "fsdp2", "zero2"])
 def test_two_processes_train_as_one(launcher, one_process_runs, tmp_path):
-    """DDP, and FSDP2 decoding in lockstep, on 2 ranks (2 prompts each) against 1 process (4 prompts a step): the
+    """DDP, DeepSpeed ZeRO-2, and FSDP2 decoding in lockstep, on 2 ranks (2 prompts each) against 1 process (4 prompts a step): the
     same completions (seeded per prompt; of many lengths, so FSDP2's ranks finish decoding at different turns), so
     the same rewards to the bit, and losses and weights equal within a tolerance derived from one process itself: the
     same steps as 2 micro-batches of 2 prompts (gradient accumulation) sum in another order, as the ranks do; their
     difference, times 10, bounds the one between the ranks and one process. LoRA with beta > 0: the reference is the
     base with the adapter disabled, on sharded weights under FSDP2."""
     config, folder = one_process_runs, one_process_runs.parent
+    launchers = {"ddp": lambda: torchrun(2), "fsdp2": lambda: accelerate_fsdp2(2),
+                 "zero2": lambda: accelerate_deepspeed(2, REPO / "configs" / "deepspeed" / "ds_config.json")}
     two = run_train(config, tmp_path / "two", "batch_size=2",
-                    launcher={"ddp": torchrun(2), "fsdp2": accelerate_fsdp2(2)}[launcher], timeout=300)
+                    launcher=launchers[launcher](), timeout=300)
     assert two.returncode == 0, explain(two)
     assert ("FSDP2: 2 GPTJBlock units and the root, sharded over 2 processes" in two.stdout) == (launcher == "fsdp2")
     one, accumulated, ranks = ([row for row in exact_rows(path) if "loss" in row]

@@ -16,6 +16,7 @@ from gpt4all_training.data.batching import balanced_bins, collate, collate_packe
 from gpt4all_training.data.records import load_records
 from gpt4all_training.data.sft import tokenize_dataset
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.attention import attend_per_example, attends_per_example
 from gpt4all_training.model.isolation import check_isolation
 from gpt4all_training.training.loss import token_loss_sum
 from gpt4all_training.data.sampling import StepSampler
@@ -177,15 +178,73 @@ def test_isolation_check_passes_real_models_and_refuses_naive_concatenation(toke
         check_isolation(naive)
 
 
+# ---------------------------------------------------------------- one row, attended example by example
+
+def test_one_row_holds_every_example_back_to_back_with_their_starts(dolly_rows):
+    rows = dolly_rows[:5]
+    lengths = [len(r["input_ids"]) for r in rows]
+    batch = collate_packed(rows, pad_id=0, max_length=None)
+    assert batch["input_ids"].shape == (1, sum(lengths))
+    assert batch["cu_seq_lens_q"].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32
+    assert batch["input_ids"][0].tolist() == [t for r in rows for t in r["input_ids"]]
+    assert batch["sequence_ids"][0].tolist() == [n for n, k in enumerate(lengths, start=1) for _ in range(k)]
+    assert batch["position_ids"][0].tolist() == [p for k in lengths for p in range(k)]
+    starts = batch["cu_seq_lens_q"][:-1].tolist()
+    assert (batch["labels"][0, starts] == IGNORE).all()
+
+
+def test_per_example_attention_gives_each_example_its_own_logits(tiny_model, dolly_rows):
+    """Inside one row, with the example starts, every example's logits equal the example run alone; a batch without
+    the starts (padded, or positions only) takes SDPA with its mask, as before."""
+    rows = dolly_rows[:4]
+    batch = collate_packed(rows, pad_id=0, max_length=None)
+    masked = tiny_model(**model_inputs({k: v for k, v in batch.items() if k != "cu_seq_lens_q"})).logits
+    padded = collate(rows, 0)
+    before = tiny_model(**model_inputs(padded)).logits
+    on_sdpa = tiny_model.config._attn_implementation == "sdpa"
+    attend_per_example(tiny_model)
+    assert attends_per_example(tiny_model) == on_sdpa  # eager attention is kept, and keeps the examples apart too
+    inside = tiny_model(**model_inputs(batch)).logits
+    bounds = batch["cu_seq_lens_q"].tolist()
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        alone = tiny_model(input_ids=torch.tensor([rows[i]["input_ids"]]), use_cache=False).logits
+        assert (inside[0, start:end] - alone[0]).abs().max() <= 1e-5
+    assert (tiny_model(**model_inputs(padded)).logits - before).abs().max() <= 1e-6
+    assert (inside - masked).abs().max() <= 1e-5
+
+
+def test_a_sliding_window_shorter_than_an_example_takes_the_mask(dolly_rows):
+    """Mistral-style sliding-window layers: where the window cuts into an example, attending to the example's whole
+    causal past would be wrong, so the masked path runs and gives the model's own logits."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=8)).eval()
+    rows = [{"input_ids": [t % 512 for t in r["input_ids"]], "labels": r["labels"]} for r in dolly_rows[:3]]
+    batch = collate_packed(rows, pad_id=0, max_length=None)
+    masked = model(**model_inputs({k: v for k, v in batch.items() if k != "cu_seq_lens_q"})).logits
+    attend_per_example(model)
+    inside = model(**model_inputs(batch)).logits
+    assert (inside - masked).abs().max() <= 1e-5
+    first = len(rows[0]["input_ids"])
+    alone = model(input_ids=torch.tensor([rows[0]["input_ids"]]), use_cache=False).logits
+    assert (inside[0, :first] - alone[0]).abs().max() <= 1e-5
+
+
 # ---------------------------------------------------------------- one optimiser step, packed or not
 
-def one_step(tokenizer, micro_batches, max_grad_norm=1.0) -> dict[str, torch.Tensor]:
+def one_step(tokenizer, micro_batches, max_grad_norm=1.0, per_example=False) -> dict[str, torch.Tensor]:
     from accelerate import Accelerator
 
     from gpt4all_training.backends.accelerate import backend_for
     from gpt4all_training.training.step import train_step
 
     model = build_tiny_gptj(tokenizer, seed=3)
+    if per_example:
+        attend_per_example(model)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -193,10 +252,14 @@ def one_step(tokenizer, micro_batches, max_grad_norm=1.0) -> dict[str, torch.Ten
     return {"result": result, **{k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def test_one_optimizer_step_with_packing_equals_one_without(tokenizer, dolly_rows):
+@pytest.mark.parametrize("one_row", [False, True], ids=["rows-masked", "one-row-per-example"])
+def test_one_optimizer_step_with_packing_equals_one_without(tokenizer, dolly_rows, one_row):
     micro = [dolly_rows[:6], dolly_rows[6:]]  # two micro-batches: gradient accumulation too
     padded = one_step(tokenizer, [collate(rows, 0) for rows in micro])
-    packed = one_step(tokenizer, [collate_packed(rows, 0, 256) for rows in micro])
+    packed = one_step(tokenizer, [collate_packed(rows, 0, None if one_row else 256) for rows in micro],
+                      per_example=one_row)
+    if one_row:
+        assert packed["result"]["n_padded"] == packed["result"]["n_real"]  # nothing padded
     assert packed["result"]["n_trained"] == padded["result"]["n_trained"]
     assert packed["result"]["n_real"] == padded["result"]["n_real"] == sum(len(r["input_ids"]) for r in dolly_rows)
     assert packed["result"]["n_padded"] < padded["result"]["n_padded"]
@@ -227,7 +290,7 @@ def test_packed_training_run_equals_unpacked_run(tiny_model_dir, clean_dolly, tm
     plain, plain_weights, plain_rows = run("plain")
     packed, packed_weights, packed_rows = run("packed", "packing=true")
     assert packed["trained_tokens"] == plain["trained_tokens"]
-    assert packed["padding_fraction"] < plain["padding_fraction"]
+    assert packed["padding_fraction"] == 0  # on a CPU: each micro-batch one row, attended example by example
     assert packed["val_loss"] == pytest.approx(plain["val_loss"], abs=1e-5)
     for a, b in zip(plain_rows, packed_rows):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)

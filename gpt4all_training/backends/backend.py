@@ -4,8 +4,9 @@
 CPUs), `DeepSpeedBackend` (backends/deepspeed.py), `FsdpBackend` (backends/fsdp.py) and `XlaBackend`
 (backends/xla.py) where those differ. Nothing outside backends/ asks which one it has (tests/test_imports.py
 forbids it); it asks what the backend supports (`supports_nan_skip`, `supports_grad_norms`, `engine_saves_state`,
-`partitions_parameters`, `samples_in_lockstep`, `chunks_output_head`, `shards_quantized_base`, `exit_hard`), the
-storage dtype of a 4-bit base (`quantized_storage`) and how big a parameter is (`parameter_shape`, `held_elements`).
+`partitions_parameters`, `samples_in_lockstep`, `chunks_output_head`, `attends_per_example`, `shards_quantized_base`,
+`exit_hard`), the storage dtype of a 4-bit base (`quantized_storage`) and how big a parameter is (`parameter_shape`,
+`held_elements`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class Backend:
     @property
     def device(self) -> torch.device:
         return self.accelerator.device
+
+    @property
+    def attends_per_example(self) -> bool:
+        """Whether a packed micro-batch is one row attended example by example (model/attention.py): its boundaries
+        are read on the host at every layer, which costs nothing on a CPU and a sync on an accelerator."""
+        return self.device.type == "cpu"
 
     @property
     def world_size(self) -> int:

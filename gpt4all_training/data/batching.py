@@ -2,7 +2,8 @@
 - padded: each example a row, padded on the right to the batch's longest (training, evaluation, inference);
 - left-padded: prompts ending at the same column, for generation;
 - constant-length rows: raw-text rows of max_length tokens, every token trained but the first;
-- packed: whole examples in as few rows as possible, with no attention across examples.
+- packed: whole examples in as few rows as possible, with no attention across examples; or, for a model that
+  attends example by example (model/attention.py, on a CPU), in one row with nothing padded.
 
 Packing: lay a micro-batch's examples out in as few rows as possible, with no attention across examples.
 
@@ -28,6 +29,8 @@ given, and builds a block-diagonal causal mask for the attention implementation 
 - flash-attention 2/3 (GPU): varlen kernels with `cu_seqlens` taken from the position ids, so no padding or masked
   blocks are computed at all.
 One batch format therefore works on CPU and GPU with GPT-J, Llama and the other models built on `create_causal_mask`.
+On a CPU the micro-batch is instead one row with `cu_seq_lens_q` (where each example starts), and the model
+attends example by example (model/attention.py): no padding, and no masked-out blocks computed.
 A model with its own attention code may ignore position ids and attend across examples; model/isolation.py's
 `check_isolation` runs at start-up and refuses such a model rather than train it on contaminated context.
 
@@ -38,7 +41,7 @@ in the example predicts it; the previous example's last token must not learn to 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -92,16 +95,13 @@ def pack_rows(lengths: list[int], max_length: int) -> list[list[int]]:
     return [sorted(row) for row in rows]  # the sampler's order inside a row: the layout is a pure function of it
 
 
-def collate(examples: Sequence[dict[str, Any]], pad_id: int, padding_side: Literal["right", "left"] = "right",
-            packing_length: Optional[int] = None) -> dict[str, torch.Tensor]:
+def collate(examples: Sequence[dict[str, Any]], pad_id: int, padding_side: Literal["right", "left"] = "right"
+            ) -> dict[str, torch.Tensor]:
     """A micro-batch of `examples` ({"input_ids", and "labels" unless they are prompts}).
 
     Padded to the longest example with `pad_id` (labels IGNORE, attention_mask 0), on the right, or on the `left`
-    (prompts to generate from, which must end at the same column). With `packing_length`, packed into rows of up
-    to that many tokens instead (collate_packed).
+    (prompts to generate from, which must end at the same column). Packed batches: collate_packed.
     """
-    if packing_length is not None:
-        return collate_packed(examples, pad_id, packing_length)
     width = max(len(e["input_ids"]) for e in examples)
     shape = (len(examples), width)
     labelled = "labels" in examples[0]
@@ -131,14 +131,18 @@ def collate_rows(rows: Sequence[Sequence[int]] | np.ndarray) -> dict[str, torch.
     return collate([{"input_ids": row, "labels": row_labels(row)} for row in rows], pad_id=0)
 
 
-def collate_packed(rows: Sequence[dict[str, Any]], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+def collate_packed(rows: Sequence[dict[str, Any]], pad_id: int, max_length: int | None) -> dict[str, torch.Tensor]:
     """A packed micro-batch: input_ids, labels, position_ids and sequence_ids, each (rows, width).
 
     sequence_ids numbers the examples of a row from 1 and marks padding 0; it is bookkeeping (real-token counts,
     tests) and is never given to the model. Padding gets its own restarting positions so it forms its own block.
+
+    `max_length` None: one row of every example, nothing padded, and `cu_seq_lens_q` (0, n1, n1 + n2, ...), where
+    the examples start: for a model that attends example by example (model/attention.py), whose cost then does not
+    grow with the row.
     """
     lengths = [len(r["input_ids"]) for r in rows]
-    layout = pack_rows(lengths, max_length)
+    layout = [list(range(len(rows)))] if max_length is None else pack_rows(lengths, max_length)
     width = max(sum(lengths[i] for i in row) for row in layout)
     shape = (len(layout), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
@@ -156,15 +160,25 @@ def collate_packed(rows: Sequence[dict[str, Any]], pad_id: int, max_length: int)
             sequence_ids[r, start:start + n] = number
             start += n
         position_ids[r, start:] = torch.arange(width - start)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "sequence_ids": sequence_ids}
+    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "sequence_ids": sequence_ids}
+    if max_length is None:
+        batch["cu_seq_lens_q"] = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    return batch
 
 
-def fetch_batch(dataset, indices: list[int], pad_id: int, packing_length: Optional[int] = None
-                ) -> dict[str, torch.Tensor]:
-    """Rows `indices` of a tokenised dataset as a micro-batch: padded, or packed into rows of `packing_length`."""
+def examples_at(dataset, indices: list[int]) -> list[dict[str, Any]]:
     columns = dataset.select_columns(["input_ids", "labels"])[indices]
-    examples = [{"input_ids": ids, "labels": labels} for ids, labels in zip(columns["input_ids"], columns["labels"])]
-    return collate(examples, pad_id, packing_length=packing_length)
+    return [{"input_ids": ids, "labels": labels} for ids, labels in zip(columns["input_ids"], columns["labels"])]
+
+
+def fetch_batch(dataset, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows `indices` of a tokenised dataset as a micro-batch padded to its longest example."""
+    return collate(examples_at(dataset, indices), pad_id)
+
+
+def fetch_packed(dataset, indices: list[int], pad_id: int, max_length: int | None) -> dict[str, torch.Tensor]:
+    """Rows `indices` of a tokenised dataset packed into rows of up to `max_length` tokens (None: one row)."""
+    return collate_packed(examples_at(dataset, indices), pad_id, max_length)
 
 
 def fetch_rows(store, ids: list[int], pad_id: int) -> dict[str, torch.Tensor]:
@@ -172,6 +186,10 @@ def fetch_rows(store, ids: list[int], pad_id: int) -> dict[str, torch.Tensor]:
     return collate_rows(store.rows(ids))
 
 
-def batch_fetcher(packing: bool, max_length: int) -> Callable[[Any, list[int], int], dict[str, torch.Tensor]]:
-    """fetch(dataset, indices, pad_id) -> micro-batch: packed or padded to its longest example."""
-    return partial(fetch_batch, packing_length=max_length) if packing else fetch_batch
+def batch_fetcher(packing: bool, max_length: int, one_row: bool = False
+                  ) -> Callable[[Any, list[int], int], dict[str, torch.Tensor]]:
+    """fetch(dataset, indices, pad_id) -> micro-batch: padded to its longest example; or packed, into rows of up to
+    `max_length`, or into `one_row` for a model that attends example by example."""
+    if not packing:
+        return fetch_batch
+    return partial(fetch_packed, max_length=None if one_row else max_length)

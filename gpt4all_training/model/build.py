@@ -9,7 +9,8 @@ steps that each have a function here:
    load_in_4bit or load_in_8bit (model/quantization.py: the bitsandbytes config, in the storage dtype the backend
    shards, computing in the run's dtype).
 2. `assemble`: gradient checkpointing, the LoRA adapter, whether the loss may chunk the output head (the backend
-   says), and the parameter counts, logged; for a quantized base also its storage, logged, bitsandbytes' CPU
+   says), the packed rows attended example by example where the backend runs on a CPU (model/attention.py), and
+   the parameter counts, logged; for a quantized base also its storage, logged, bitsandbytes' CPU
    repacking kept off, and its fingerprint, which checkpoints record so that a resume over another base is refused.
 
 A quantized base is refused where `backend.partitions_parameters and not backend.shards_quantized_base`, and an
@@ -27,6 +28,7 @@ from torch import nn
 
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.attention import attend_per_example
 from gpt4all_training.model.from_config import build_model_from_config, resolve_model_config
 from gpt4all_training.model.loading import check_positions, load_model, model_config
 from gpt4all_training.model.names import resolved_name
@@ -44,6 +46,7 @@ MASTER_DTYPE = torch.float32
 class BuildingBackend(Protocol):
     """What building asks the run's backend (backends/backend.py)."""
     chunks_output_head: bool
+    attends_per_example: bool
     partitions_parameters: bool
     shards_quantized_base: bool
     quantized_storage: torch.dtype
@@ -131,6 +134,8 @@ def assemble(model: nn.Module, config: TrainConfig, backend: BuildingBackend) ->
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            config.gradient_checkpointing)
     allow_chunked_head(model, backend.chunks_output_head)
+    if config.packing and backend.attends_per_example:
+        attend_per_example(model)
     log_parameter_counts(model, backend)
     if is_quantized(model):
         keep_weight_layout(model)

@@ -291,7 +291,7 @@ class Plan:
             f"tokens per epoch; validation: {self.val_examples:,} examples",
             f"  this run: {r.examples:,} examples, {r.tokens:,} tokens, {r.trained:,} trained tokens",
             f"  padding fraction: {self.padding_fraction:.4f} without packing, "
-            f"{self.packed_padding_fraction:.4f} with packing{sampled}",
+            f"{self.packed_padding_fraction:.4f} with packing on a GPU{sampled} (none on a CPU: one row a micro-batch)",
             "steps",
             f"  micro-batch {self.micro_batch} x {self.gpus} GPU(s) x accumulation {self.accumulation} = global batch "
             f"{self.examples_per_step} examples",

@@ -17,6 +17,7 @@ from gpt4all_training.data.conversations import conversation_problem
 from gpt4all_training.data.records import finetune_records, load_records, records_fingerprint
 from gpt4all_training.data.sft import load_data
 from gpt4all_training.errors import UserError
+from gpt4all_training.model.attention import attends_per_example
 from gpt4all_training.model.build import build_training_model
 from gpt4all_training.training.counts import DataPlan, count_run_tokens, run_layout
 from gpt4all_training.training.evaluate import TokenValidation
@@ -49,7 +50,6 @@ class FineTuning:
     sampler = staticmethod(example_sampler)
 
     def __init__(self, config: TrainConfig) -> None:
-        self.fetch = batch_fetcher(config.packing, config.max_length)
         self.loss = token_loss_sum
         self.count = trained_token_count
         self.validation = TokenValidation()
@@ -63,7 +63,9 @@ class FineTuning:
         return Data(train, val, train_stats, val_stats, fingerprint)
 
     def build_model(self, config: TrainConfig, tokenizer, backend):
-        return build_training_model(config, tokenizer, backend)
+        model = build_training_model(config, tokenizer, backend)
+        self.fetch = batch_fetcher(config.packing, config.max_length, one_row=attends_per_example(model))
+        return model
 
     def before_training(self, model, data: Data, backend, pad_id: int, log) -> None:
         """Nothing: the loss needs only the model being trained."""
