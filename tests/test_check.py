@@ -168,6 +168,10 @@ def test_memory_that_cannot_fit_says_what_to_lower():
     assert memory_problem(config, Memory(30 * GIB, 30 * GIB, 60 * GIB, 0), 80 * GIB, "GPU") == (
         "the weights, gradients and Adam states alone need 120.0 GiB but the GPU has 80.0 GiB; use lora: true or "
         "DeepSpeed ZeRO-3 across GPUs")
+    # A frozen reference copy (dpo's frozen_copy): ZeRO-3 refuses it, so it is not offered.
+    assert memory_problem(config, Memory(30 * GIB, 30 * GIB, 60 * GIB, 0, 30 * GIB), 80 * GIB, "GPU") == (
+        "the weights, gradients and Adam states alone need 120.0 GiB but the GPU has 80.0 GiB; use lora: true (the "
+        "reference is then the base with the adapter off)")
     assert memory_problem(config, Memory(10 * GIB, 10 * GIB, 20 * GIB, 50 * GIB), 80 * GIB, "GPU") == (
         "batch_size 32 x max_length 2048 needs about 90.0 GiB (50.0 GiB of activations) but the GPU has 80.0 GiB; "
         "lower batch_size (raise gradient_accumulation_steps to keep the global batch) or max_length, or set "

@@ -202,8 +202,12 @@ def memory_problem(config: TrainConfig, estimate, available: float, where: str) 
     """A sentence when the estimate (plan.Memory) exceeds `available` bytes, else None."""
     states = estimate.weights + estimate.gradients + estimate.optimizer
     if states > available:
+        # ZeRO-3 refuses a frozen copy of the weights (no process holds a whole model to copy): no way out for a run
+        # that keeps one.
+        way = "use lora: true (the reference is then the base with the adapter off)" if estimate.reference else \
+            "use lora: true or DeepSpeed ZeRO-3 across GPUs"
         return (f"the weights, gradients and Adam states alone need {states / GIB:.1f} GiB but the {where} has "
-                f"{available / GIB:.1f} GiB; use lora: true or DeepSpeed ZeRO-3 across GPUs")
+                f"{available / GIB:.1f} GiB; {way}")
     if estimate.total > available:
         return (f"batch_size {config.batch_size} x max_length {config.max_length} needs about "
                 f"{estimate.total / GIB:.1f} GiB ({estimate.activations / GIB:.1f} GiB of activations) but the "
