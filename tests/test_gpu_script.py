@@ -132,7 +132,9 @@ def test_train_throughput_stage(results):
     assert stage["status"] == "ok", stage
     ours = stage["runs"]["ours-packed"][0]
     assert (ours["steps"], ours["measured_steps"]) == (3, 1)
-    assert 0 < ours["padding_fraction"] < 1 and ours["trained_tokens_per_s"] > 0
+    # On a CPU a packed micro-batch is one row with nothing padded; on a GPU, rows padded to the longest one.
+    assert ours["padding_fraction"] == 0.0 if not torch.cuda.is_available() else 0 < ours["padding_fraction"] < 1
+    assert ours["trained_tokens_per_s"] > 0
     assert ours["memory_kind"] == ("GPU max allocated" if torch.cuda.is_available() else "peak RSS")
     mfu = stage["mfu"]["ours-packed"]
     achieved = statistics.median(r["model_flops"] / r["measured_seconds"] for r in stage["runs"]["ours-packed"])
