@@ -21,8 +21,10 @@ from support.files import read_jsonl, write_config, write_jsonl
 from support.launch import accelerate_deepspeed, accelerate_fsdp2, explain, run_train, torchrun
 from support.paths import REPO
 from support.outputs import assert_bitwise_equal_weights, exact_rows, max_weight_difference
+from hardening.harness import error_lines
 
 from gpt4all_training.backends.accelerate import backend_for
+from gpt4all_training.cli.main import main
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.loader import load_config
@@ -33,7 +35,7 @@ from gpt4all_training.training.loop import prepare, train
 from gpt4all_training.training.loss import token_logps
 from gpt4all_training.training.objectives import objective_for
 from gpt4all_training.training.objectives.grpo import group_advantages, kv_cache_bytes
-from gpt4all_training.training.objectives.rewards import builtin_reward
+from gpt4all_training.training.objectives.rewards import Reward, builtin_reward, load_user_reward, score
 from gpt4all_training.training.step import train_step
 
 # Prompts of one length in tokens (TRL left-pads prompts without position ids, so unequal ones would be other
@@ -42,7 +44,9 @@ PROMPTS = [{"prompt": f"Say the number {d}.", "answer": str(d), "source": "t"} f
 # Rewards as a user writes them: VARIETY scores a completion by its distinct characters (a spread of rewards from a
 # random model), CONSTANT scores every completion alike.
 REWARD_FILE = """
-import math, os, signal
+import math, os, signal, sys
+
+import numpy as np
 
 calls = 0
 
@@ -68,6 +72,8 @@ def answer_seven(completions, target, **columns):
 
 
 def fails(completions, **columns):
+    '''0.5 for every completion at the first call; from the second on, what GRPO_TEST_FAILURE says: "raises",
+    "nan", "short" (one value too few) or "return EXPRESSION" (evaluated, with n the number of completions).'''
     global calls
     calls += 1
     how = os.environ.get("GRPO_TEST_FAILURE")
@@ -77,6 +83,8 @@ def fails(completions, **columns):
         raise ValueError("the grader lost its key")
     if how == "nan":
         return [math.nan] * len(completions)
+    if how.startswith("return "):
+        return eval(how.removeprefix("return "), globals(), {"n": len(completions)})
     return [0.5] * (len(completions) - 1)
 """
 
@@ -93,14 +101,18 @@ def reward_file(tmp_path_factory) -> Path:
     return path
 
 
-def grpo_config(model_dir, data_dir, output_dir, reward_file, function: str = "variety", **overrides) -> TrainConfig:
+def grpo_values(model_dir, data_dir, output_dir, reward_file, function: str = "variety", **overrides) -> dict:
     values = dict(model_name=str(model_dir), dataset_path=str(data_dir), output_dir=str(output_dir), objective="grpo",
                   rewards=[{"module": str(reward_file), "function": function}], num_generations=4,
                   max_completion_length=6, max_length=32, batch_size=2, lr=1e-3, min_lr=1e-3, warmup_steps=0,
                   val_fraction=0.0, num_epochs=10, max_steps=4, eval_every=None, save_every=None, num_proc=1, seed=0,
                   max_grad_norm=None, dtype="float32")
     values.update(overrides)
-    return validate(TrainConfig(**values))
+    return values
+
+
+def grpo_config(model_dir, data_dir, output_dir, reward_file, function: str = "variety", **overrides) -> TrainConfig:
+    return validate(TrainConfig(**grpo_values(model_dir, data_dir, output_dir, reward_file, function, **overrides)))
 
 
 @dataclass
@@ -416,6 +428,118 @@ def test_a_failing_reward_stops_the_run_in_one_line_keeping_the_last_checkpoint(
                           ("kl-entropy", "entropy"), ("completion-length", "completions-mean-length"),
                           ("step-time", "generation-seconds")):
         assert f"id='panel-{panel}'" in report and f'id="{series}"' in report, panel
+
+
+# What a reward may do wrong, as the expression its function returns (n: the number of completions), and the rest of
+# the line that stops the run ("reward fails in FILE ..."): exits, values that are no real number or no finite one,
+# containers of another kind or shape, and exceptions raised while its values are read.
+BAD_REWARDS = [
+    ("sys.exit(0)", "exited (SystemExit: 0); a reward returns its values, it does not end the process"),
+    ("sys.exit('the grader gave up')",
+     "exited (SystemExit: 'the grader gave up'); a reward returns its values, it does not end the process"),
+    ("exit(3)", "exited (SystemExit: 3); a reward returns its values, it does not end the process"),
+    ("[10**400] * n", "returned an integer of 1329 bits for completion 1, beyond a float's range; return finite numbers"),
+    ("[0.5] * (n - 1) + [-10**400]",
+     "returned an integer of 1329 bits for completion 8, beyond a float's range; return finite numbers"),
+    ("[0.5 + 1j] * n", "returned (0.5+1j) for completion 1, not a real number; return one real number per completion"),
+    ("np.full(n, 2j)", "returned 2j for completion 1, not a real number; return one real number per completion"),
+    ("__import__('torch').full((n,), 1j)",
+     "returned 1j for completion 1, not a real number; return one real number per completion"),
+    ("[None] * n", "returned None for completion 1, not a real number; return one real number per completion"),
+    ("['0.5'] * n", "returned '0.5' for completion 1, not a real number; return one real number per completion"),
+    ("[__import__('decimal').Decimal('0.5')] * n",
+     "returned Decimal('0.5') for completion 1, not a real number; return one real number per completion"),
+    ("np.zeros((n, 2))",
+     "returned array([0., 0.]) for completion 1, not a real number; return one real number per completion"),
+    ("[math.inf] * n", "returned inf for completion 1; return finite numbers"),
+    ("[0.5] * (n - 1) + [-math.inf]", "returned -inf for completion 8; return finite numbers"),
+    ("np.full(n, np.nan)", "returned nan for completion 1; return finite numbers"),
+    ("None", "returned None, not a list of 8 numbers (one per completion)"),
+    ("0.5", "returned float, not a list of 8 numbers (one per completion)"),
+    ("'0.5' * n", "returned str, not a list of 8 numbers (one per completion)"),
+    ("{i: 0.5 for i in range(n)}", "returned dict, not a list of 8 numbers (one per completion)"),
+    ("np.array(0.5)", "returned ndarray, not a list of 8 numbers (one per completion)"),
+    ("np.zeros((1, n))", "returned 1 values for 8 completions; return one number per completion"),
+    ("[0.5] * (n + 1)", "returned 9 values for 8 completions; return one number per completion"),
+    ("(1 / 0 for _ in range(n))", "raised ZeroDivisionError: division by zero"),
+    ("(_ for _ in ()).throw(RecursionError('too deep'))", "raised RecursionError: too deep"),
+    ("(_ for _ in ()).throw(GeneratorExit)", "raised GeneratorExit"),
+]
+N = 8
+
+
+def scored_at_the_second_call(reward_file, expression: str, monkeypatch) -> tuple:
+    """score() at `fails`'s first call (fine) and second (returning `expression`), the file freshly imported."""
+    monkeypatch.setenv("GRPO_TEST_FAILURE", f"return {expression}")
+    reward = Reward("fails", 1.0, str(reward_file))
+    load_user_reward(reward, lambda line: None)
+    completions = [f"answer {i}" for i in range(N)]
+    first = score([reward], ["q"] * N, completions, [[1, 2]] * N, {"answer": ["7"] * N})
+    assert first[1] is None and first[0].tolist() == [[0.5]] * N
+    return score([reward], ["q"] * N, completions, [[1, 2]] * N, {"answer": ["7"] * N})
+
+
+@pytest.mark.parametrize("expression, message", BAD_REWARDS, ids=[expression for expression, _ in BAD_REWARDS])
+def test_a_reward_that_exits_raises_or_returns_no_finite_real_number_is_one_line(expression, message, reward_file,
+                                                                                monkeypatch):
+    """score() never raises for the user's code: it gives the one line naming the file and the function."""
+    values, problem = scored_at_the_second_call(reward_file, expression, monkeypatch)
+    assert values.shape == (0, 1) and problem == f"reward fails in {reward_file} {message}"
+
+
+@pytest.mark.parametrize("expression, expected", [
+    ("[True, False] * (n // 2)", [1.0, 0.0] * 4), ("np.arange(n) % 2 == 0", [1.0, 0.0] * 4),
+    ("np.arange(n, dtype=np.int64)", list(range(8))), ("np.full(n, 0.25, dtype=np.float32)", [0.25] * 8),
+    ("__import__('torch').full((n,), -0.5)", [-0.5] * 8), ("[np.float64(2.0)] * n", [2.0] * 8),
+    ("(i for i in range(n))", list(range(8))), ("(0.5,) * n", [0.5] * 8),
+    ("[__import__('fractions').Fraction(1, 4)] * n", [0.25] * 8), ("[10**300] * n", [1e300] * 8),
+])
+def test_real_numbers_of_any_kind_are_a_rewards_values(expression, expected, reward_file, monkeypatch):
+    """Python's, numpy's and torch's real numbers, in any sequence or iterator; True and False count as 1 and 0."""
+    values, problem = scored_at_the_second_call(reward_file, expression, monkeypatch)
+    assert problem is None and values[:, 0].tolist() == expected
+
+
+def test_ctrl_c_in_a_reward_stays_an_interrupt(reward_file, monkeypatch):
+    with pytest.raises(KeyboardInterrupt):
+        scored_at_the_second_call(reward_file, "(_ for _ in ()).throw(KeyboardInterrupt)", monkeypatch)
+
+
+@pytest.mark.parametrize("top_level, message", [
+    ("import sys\nsys.exit(0)\n", "exited (SystemExit: 0); a reward returns its values, it does not end the process"),
+    ("raise SystemExit('no grader here')\n",
+     "exited (SystemExit: 'no grader here'); a reward returns its values, it does not end the process"),
+    ("1 / 0\n", "raised ZeroDivisionError: division by zero"),
+])
+def test_a_reward_file_that_exits_or_raises_as_it_is_imported_is_one_line(top_level, message, tmp_path):
+    path = tmp_path / "exits.py"
+    path.write_text(top_level + "def score(completions, **columns):\n    return [1.0] * len(completions)\n")
+    with pytest.raises(UserError) as refused:
+        load_user_reward(Reward("score", 1.0, str(path)), lambda line: None)
+    assert str(refused.value) == f"rewards: importing {path} {message}"
+
+
+@pytest.mark.parametrize("expression, message", [BAD_REWARDS[0], BAD_REWARDS[3], BAD_REWARDS[5]],
+                         ids=["sys.exit(0)", "10**400", "complex"])
+def test_train_ends_with_exit_1_and_one_line_when_a_reward_exits_or_returns_no_real_number(
+        expression, message, tiny_model_dir, prompts_dir, reward_file, tmp_path, capsys, monkeypatch):
+    """Through the command line: a reward that calls sys.exit(0) (the run ended with exit 0, no message, no final/),
+    returns 10**400 (an OverflowError traceback) or complex numbers (trained on their real part) at step 2: exit 1,
+    one error line naming the file and the function and no traceback; step_1/, saved before, verifies and nothing
+    after it was written."""
+    monkeypatch.setenv("GRPO_TEST_FAILURE", f"return {expression}")
+    out = tmp_path / "run"
+    config = write_config(tmp_path, grpo_values(tiny_model_dir, prompts_dir, out, reward_file, "fails",
+                                                save_every=1, keep_last=3))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err
+    assert error_lines(err) == [f"error: reward fails in {reward_file} {message}; fix it, then run the same command "
+                                f"again to continue from the last checkpoint"]
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_1"] and not (out / "final").exists()
+    assert marker_problem(out / "step_1") is None
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == [1]
 
 
 def fresh_module(original):

@@ -216,8 +216,10 @@ class Server:
 
         return OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
-    def raw(self, method: str, path: str, body: bytes | None = None, auth: bool = True) -> tuple[int, dict]:
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if auth else {})}
+    def raw(self, method: str, path: str, body: bytes | None = None, auth: bool = True,
+            headers: dict[str, str] | None = None) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if auth else {}),
+                   **(headers or {})}
         request = urllib.request.Request(f"{self.url}{path}", data=body, headers=headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
@@ -306,6 +308,22 @@ def test_a_wrong_or_missing_key_is_401(server):
     status, body = server.raw("GET", "/v1/models", auth=False)
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     assert server.key not in server.log.read_text()
+
+
+@pytest.mark.integration
+def test_a_request_for_another_host_or_from_another_site_is_403_and_this_machine_s_names_pass(server):
+    """Through uvicorn: DNS rebinding (a page's own name resolving to 127.0.0.1) and a cross-site form post are
+    refused by the guard the studio shares (tests/hardening/test_web_guard.py tries every route of both apps)."""
+    port = server.url.rsplit(":", 1)[1]
+    status, body = server.raw("GET", "/v1/models", headers={"Host": "evil.example"})
+    assert (status, body["error"]["message"]) == (403, "host 'evil.example': this server answers requests addressed "
+                                                       "to this machine only (as 127.0.0.1, localhost or the address "
+                                                       "it was started on)")
+    status, body = server.raw("POST", "/v1/completions", b"prompt=hi", headers={
+        "Origin": "http://evil.example", "Content-Type": "application/x-www-form-urlencoded"})
+    assert (status, body["error"]["type"]) == (403, "invalid_request_error")
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
+        assert server.raw("GET", "/v1/models", headers={"Host": host})[0] == 200
 
 
 @pytest.mark.integration
@@ -426,8 +444,8 @@ def thinking_client(tokenizer_dir):
     engine = Engine(model, tokenizer, eos_ids(model, tokenizer), max_batch_size=4, max_queue=8)
     app = create_app(engine, tokenizer, ServeSettings(model_id="thinking", max_tokens_cap=64, max_prompt_tokens=512),
                      512)
-    with TestClient(app, base_url="http://testserver/v1") as http:
-        yield OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    with TestClient(app, base_url="http://127.0.0.1:8000/v1") as http:
+        yield OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none", http_client=http, max_retries=0)
 
 
 THINKING_REQUEST = {

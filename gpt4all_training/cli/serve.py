@@ -16,8 +16,8 @@ from gpt4all_training.errors import UserError
 from gpt4all_training.model.trained import DTYPES, open_model
 from gpt4all_training.serving.app import ServeSettings, context_length, create_app, eos_ids
 from gpt4all_training.serving.engine import Engine
+from gpt4all_training.serving.guard import LOCAL_HOSTS
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 # SIGTERM: uvicorn stops accepting and waits this long for running requests to finish, then cancels the rest.
 GRACEFUL_SHUTDOWN_S = 30
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServeSettings(model_id=args.model, max_batch_size=args.max_batch_size,
                              max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                              max_queue=args.max_queue, api_key=api_key(args.api_key_env, args.host),
-                             log_prompts=args.log_prompts)
+                             log_prompts=args.log_prompts, host=args.host)
     check_address(args.host, args.port)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = open_model(args.model, DTYPES[args.dtype], device)

@@ -41,19 +41,20 @@ def lost_peer_error(exc: RuntimeError) -> TrainingError | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve_dtype(load_config(args.config, args.overrides))  # the backend's precision is the resolved one
+    said: list[str] = []  # train() says them after its first line, which says where the run starts
+    config = resolve_dtype(load_config(args.config, args.overrides), said.append)  # the backend's precision
     check_eval_tasks(config)  # a misspelt eval task fails now, not after the run
     try:
         backend = build_backend(config)
-        summary = train(config, backend, [TaskEvaluator] if config.eval_tasks_every else [])
+        summary = train(config, backend, [TaskEvaluator] if config.eval_tasks_every else [], said)
     except RuntimeError as exc:
         lost = lost_peer_error(exc)
         if lost is None:
             raise
         raise lost from None
     code = summary.get("exit_code", 0)  # 128 + signal when SIGTERM/SIGINT stopped it early with a checkpoint
-    if code == 0 and config.eval_tasks and backend.is_main_process:
-        evaluate_final(config, summary["steps"])
+    if code == 0 and config.eval_tasks and backend.is_main_process and not summary.get("already_finished"):
+        evaluate_final(config, summary)
     if backend.exit_hard:  # everything is written; leave without the interpreter teardown that can abort
         sys.stdout.flush()
         sys.stderr.flush()

@@ -17,9 +17,9 @@ import math
 import re
 import typing
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Optional, TypeVar
+from typing import Annotated, Literal, NamedTuple, Optional, TypeVar
 
-from gpt4all_training.config.fields import doc, shown, typed
+from gpt4all_training.config.fields import LocalPath, PathName, doc, shown, typed
 from gpt4all_training.errors import UserError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -110,14 +110,15 @@ def at_least_one(key: str, value: Optional[int], unset: str = "") -> Check:
 @dataclass
 class ModelSource(Block):
     """model: where the weights and the tokenizer come from."""
-    model_name: Optional[str] = doc("Hub id, local folder or .gguf file of the model: the base to train, or a "
-                                    "trained final/, final/merged/ or step_N/model (full model or LoRA adapter). "
-                                    "Required.", required=True)
-    tokenizer_name: Optional[str] = doc("Tokenizer to load; defaults to model_name.")
-    gguf_file: Optional[str] = doc("GGUF file name inside the model_name folder, when the weights are GGUF.")
-    chat_template: Optional[str] = doc("Chat template to render conversations and chat prompts with, replacing the "
-                                       "tokenizer's own: a Jinja file, or 'chatml'. Unset: the tokenizer's. It is "
-                                       "saved with the trained tokenizer, so exports carry it.")
+    model_name: Optional[PathName] = doc("Hub id, local folder or .gguf file of the model: the base to train, or "
+                                         "a trained final/, final/merged/ or step_N/model (full model or LoRA "
+                                         "adapter). Required.", required=True)
+    tokenizer_name: Optional[PathName] = doc("Tokenizer to load; defaults to model_name.")
+    gguf_file: Optional[Annotated[str, LocalPath(within="model_name")]] = doc(
+        "GGUF file name inside the model_name folder, when the weights are GGUF.")
+    chat_template: Optional[PathName] = doc("Chat template to render conversations and chat prompts with, replacing "
+                                            "the tokenizer's own: a Jinja file, or 'chatml'. Unset: the tokenizer's. "
+                                            "It is saved with the trained tokenizer, so exports carry it.")
     model_revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the model.")
     trust_remote_code: bool = doc("Run model code shipped with a Hub repo. Off unless you say so.", False)
     dtype: Dtype = doc("Precision: float32, bfloat16 or float16. Inference and generation load the weights in it.",
@@ -127,8 +128,8 @@ class ModelSource(Block):
 @dataclass
 class DataSource(Block):
     """data source: which records are read."""
-    dataset_path: Optional[str] = doc("A JSONL file (*_clean.jsonl for fine-tuning), a folder of them, or a Hub "
-                                      "dataset id. Required.", required=True)
+    dataset_path: Optional[PathName] = doc("A JSONL file (*_clean.jsonl for fine-tuning), a folder of them, or a "
+                                           "Hub dataset id. Required.", required=True)
     revision: Optional[str] = doc("Hub revision (branch, tag or commit) of the dataset; pin it for reproducible "
                                   "data.")
 
@@ -243,8 +244,8 @@ class Objective(Block):
     init: Literal["pretrained", "from_config"] = doc(
         "'pretrained': load model_name's weights. 'from_config' (causal_lm only): random weights from "
         "model_config, vocabulary sized to the tokenizer.", "pretrained", allowed="'pretrained' or 'from_config'")
-    model_config: Optional[str] = doc("init from_config: a local folder, a model type (gptj, llama, ...) or a Hub "
-                                      "id whose config is used; unset: model_name's.")
+    model_config: Optional[PathName] = doc("init from_config: a local folder, a model type (gptj, llama, ...) or a "
+                                           "Hub id whose config is used; unset: model_name's.")
     model_config_overrides: Optional[dict] = doc("init from_config: fields set on model_config, e.g. "
                                                  "{n_layer: 4, n_embd: 256}.")
     shuffle_buffer: int = doc("causal_lm: rows are shuffled through a buffer of this many, seeded per epoch.", 1000)
@@ -360,7 +361,7 @@ def reward_value_problem(builtin: Optional[str], entry: dict, max_completion_len
 @dataclass
 class Rollouts(Block):
     """reinforcement learning (objective grpo): completions sampled from the model being trained, and their rewards."""
-    rewards: Optional[list[dict]] = doc(
+    rewards: Optional[Annotated[list[dict], LocalPath(keys=("module",), runs_code=True)]] = doc(
         "What scores a completion; the weighted sum of these is its reward. Built in: {name: exact_match} (1 when "
         "the final answer equals the record's `field`, default answer, after strip; `pattern`: a regex whose last "
         "match, or its first group, is the final answer), {name: numeric_match} (the last number, or pattern's "
@@ -495,7 +496,7 @@ class Evaluation(Block):
                                           "`gpt4all-training eval --tasks` does: written to output_dir/eval/"
                                           "results.json and logged as harness/<task>/<metric>; unset: none.")
     eval_tasks_limit: Optional[int] = doc("eval_tasks: score the first N examples of each task; unset: all.")
-    eval_include_path: Optional[str] = doc("eval_tasks: a folder of task YAML files (e.g. configs/eval).")
+    eval_include_path: Optional[PathName] = doc("eval_tasks: a folder of task YAML files (e.g. configs/eval).")
     eval_tasks_every: Optional[int] = doc("eval_tasks: also score the model being trained every N optimizer steps "
                                           "(with eval_tasks_limit), logged as harness/<task>/<metric> at that step; "
                                           "needs every process to hold the whole model (not ZeRO-3 or FSDP2); "
@@ -516,11 +517,11 @@ class Checkpoints(Block):
     save_every: Optional[int] = doc("Checkpoint every N optimizer steps; unset: no intermediate checkpoints.", 500)
     keep_last: Optional[int] = doc("Keep the newest N checkpoints; unset keeps all.", 2)
     keep_every: Optional[int] = doc("Also keep, permanently, the checkpoints at multiples of N steps.")
-    output_dir: str = doc("Where checkpoints, final/, metrics.jsonl and report.html go.", "ckpts/run")
-    cache_dir: Optional[str] = doc("Where fine-tuning data is cached once tokenized, keyed by the records, the "
-                                   "tokenizer, the data settings and the code; a shared folder lets other runs "
-                                   "reuse it. Unset: output_dir/tokenized.")
-    checkpoint: Optional[str] = doc("A step_N folder to resume from.")
+    output_dir: PathName = doc("Where checkpoints, final/, metrics.jsonl and report.html go.", "ckpts/run")
+    cache_dir: Optional[PathName] = doc("Where fine-tuning data is cached once tokenized, keyed by the records, "
+                                        "the tokenizer, the data settings and the code; a shared folder lets other "
+                                        "runs reuse it. Unset: output_dir/tokenized.")
+    checkpoint: Optional[PathName] = doc("A step_N folder to resume from.")
     resume: Optional[Literal["auto", "never"]] = doc(
         "Unset: a rerun into an output_dir whose last run left a checkpoint continues that run (a config that "
         "changes what it trains, or a run that already finished, is refused). 'auto': resume from the newest "

@@ -8,6 +8,11 @@ A choice is a `Literal[...]` type (or a list of them, or either made Optional). 
 `{key}: must be {allowed}, got {value}`, where `allowed` is "one of a, b, c" unless the field words it itself
 (`doc(..., allowed=...)`), as a few do to add a hint. A single choice takes one value: a list holding an allowed
 value (`lr_schedule=[gpt3]`) is refused, never read as its first entry or ignored.
+
+A field whose value names a local file or folder says so in its type: `Annotated[str, LocalPath()]` (`PathName`).
+The loaders read the plain type (`typing.get_type_hints` drops the mark); `path_values` reads the marks, so that
+whatever confines paths (the studio keeps every path inside its workdir) finds them in the schema, a key added later
+included, instead of in a list of names that could miss one.
 """
 
 from __future__ import annotations
@@ -17,9 +22,57 @@ import math
 import os
 import types
 import typing
-from typing import Any, Literal, Mapping, Optional
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Mapping, Optional
 
 from gpt4all_training.errors import UserError, shown
+
+
+@dataclass(frozen=True)
+class LocalPath:
+    """The mark of a config field that names a local file or folder, or may: a Hub id or a packaged model's short
+    name is a name, but the loaders read any name that exists on disk (or looks like a path) as a path.
+
+    `within`: the field whose value the path is read inside (gguf_file, a file in model_name's folder).
+    `keys`: for a mapping or a list of mappings, the keys of each mapping that name paths (rewards: module).
+    `runs_code`: the file is Python that the command imports and runs.
+    """
+    within: Optional[str] = None
+    keys: tuple[str, ...] = ()
+    runs_code: bool = False
+
+
+PathName = Annotated[str, LocalPath()]
+
+
+def path_mark(tp: Any) -> Optional[LocalPath]:
+    """The LocalPath mark of a field type (inside Optional too), or None."""
+    if typing.get_origin(tp) is Annotated:
+        return next((mark for mark in tp.__metadata__ if isinstance(mark, LocalPath)), None)
+    return next((mark for arg in typing.get_args(tp) if (mark := path_mark(arg)) is not None), None)
+
+
+def path_fields(cls: type) -> dict[str, LocalPath]:
+    """{field: its mark} for every field of the config class `cls` whose type marks it as a local path."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: mark for f in dataclasses.fields(cls) if (mark := path_mark(hints[f.name])) is not None}
+
+
+def path_values(config: Any) -> list[tuple[str, str]]:
+    """(the key as an error line names it, the path) for every local path `config` names: each marked field's
+    value (read inside the field it lies `within`), and each path key of a marked mapping or list of mappings."""
+    found = []
+    for name, mark in path_fields(type(config)).items():
+        value = getattr(config, name)
+        if mark.keys:
+            entries = [(name, value)] if isinstance(value, dict) else [
+                (f"{name} entry {number}", entry) for number, entry in enumerate(value or [], 1)]
+            found += [(f"{where} {key}", entry[key]) for where, entry in entries for key in mark.keys
+                      if isinstance(entry, dict) and isinstance(entry.get(key), str)]
+        elif isinstance(value, str) and value.strip():
+            base = getattr(config, mark.within) if mark.within else None
+            found.append((name, os.path.join(base, value) if base else value))
+    return found
 
 
 def doc(text: str, default: Any = None, *, factory: Any = None, required: bool = False,

@@ -19,11 +19,15 @@ from gpt4all_training.model.names import missing_path_error, packaged_model, por
 from gpt4all_training.model.quantization import (bnb_config, describe_settings, forget_quantization,
                                                  is_quantizing, quantization_settings)
 from gpt4all_training.paths import closest_sibling
-from gpt4all_training.readers import read_json
+from gpt4all_training.readers import parse_json, read_json, read_text, shown_path
 
 # Files a tokenizer is read from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
+# The JSON files transformers reads a tokenizer from, where a folder has them, and the chat template's text file.
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "vocab.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHECKPOINT_DIR = re.compile(r"step_\d+")
 RUN_CONFIG_FILE = "config.yaml"  # what training writes into each step_N/ and final/ (training/checkpoint.py)
 
@@ -101,20 +105,62 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
         # transformers would build an empty tokenizer (one token, every text encoded as nothing) from such a folder.
         raise UserError(f"{key}: {name} holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); set "
                         f"tokenizer_name to the model the tokenizer comes from")
-    with loading_errors(f"{key} {name}"):
-        if not extra and saved_as_generic_tokenizer(folder):
-            # transformers 5 rebuilds some families' tokenizers (Qwen2's) in their own class whatever a folder's
-            # tokenizer.json says, so another tokenizer saved with such a model (a trained one, an
-            # `init: from_config` run's) would split text otherwise than when it was saved.
-            from transformers import TokenizersBackend
+    try:
+        with loading_errors(f"{key} {name}"):
+            if not extra and saved_as_generic_tokenizer(folder):
+                # transformers 5 rebuilds some families' tokenizers (Qwen2's) in their own class whatever a
+                # folder's tokenizer.json says, so another tokenizer saved with such a model (a trained one, an
+                # `init: from_config` run's) would split text otherwise than when it was saved.
+                from transformers import TokenizersBackend
 
-            tokenizer = TokenizersBackend.from_pretrained(source)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
-                                                      trust_remote_code=trust_remote_code, **extra)
+                tokenizer = TokenizersBackend.from_pretrained(source)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
+                                                          trust_remote_code=trust_remote_code, **extra)
+    except Exception:
+        # transformers reads these files with json.load and indexes what it gets, so a damaged one surfaces as
+        # whichever error that meets first (JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, ...),
+        # naming no file: find the file, or let the error stand when every file reads.
+        problem = None if extra else tokenizer_file_problem(folder, f"{key} {name}: tokenizer file")
+        if problem is None:
+            raise
+        raise problem from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tokenizer_file_problem(folder: Path, what: str) -> UserError | None:
+    """The first of `folder`'s tokenizer files that is not UTF-8 text, or (TOKENIZER_JSON_FILES) not a JSON object,
+    or a tokenizer.json that `tokenizers` cannot read, as one line naming it after `what`; None when all of them
+    read."""
+    from tokenizers import Tokenizer
+
+    advice = "restore the file from where the model came from"
+    for path in (folder / name for name in (*TOKENIZER_JSON_FILES, CHAT_TEMPLATE_FILE)):
+        if not path.is_file():
+            continue
+        try:
+            text = read_text(path, what)
+        except UserError as exc:  # not UTF-8: the line says what to do
+            return exc
+        if path.name == CHAT_TEMPLATE_FILE:
+            continue
+        try:
+            content = parse_json(text, f"{what} {shown_path(path)}")
+        except UserError as exc:
+            return UserError(f"{exc}; {advice}")
+        if not isinstance(content, dict):
+            return UserError(f"{what} {shown_path(path)}: expected a JSON object, got {type(content).__name__}; "
+                             f"{advice}")
+        if path.name == "tokenizer.json":
+            try:
+                Tokenizer.from_file(str(path))
+            except Exception as exc:  # the Rust library raises the base class, with serde's reason
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+                return UserError(f"{what} {shown_path(path)}: not a tokenizer the tokenizers library can read "
+                                 f"({reason}); {advice}")
+    return None
 
 
 def saved_as_generic_tokenizer(folder: Path) -> bool:

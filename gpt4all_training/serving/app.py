@@ -4,6 +4,8 @@ Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/cha
 server-sent events when asked), GET /metrics (the scheduler's counters: batch sizes, tokens) and GET /health (the
 only route open without the API key).
 
+Every request passes the browser checks first (serving/guard.py, shared with the studio: the Host header must name
+this machine, and a request that changes something must not come from another site's page), then the API key.
 Every request is bounded before any work is done: the body size, max_tokens, the prompt length (and prompt plus
 max_tokens within the model's context), the rows of one request (prompts x n) and the queue of waiting requests.
 Each mistake is a 4xx with OpenAI's error body. One log line per request: status, route, prompt and generated
@@ -29,6 +31,7 @@ from starlette.exceptions import HTTPException
 from gpt4all_training.model.decoding import Sampling
 from gpt4all_training.serving.chat import chat_encoder, end_of_turn_ids, opens_reasoning, render
 from gpt4all_training.serving.engine import Choice, Delta, Engine, Failed, Finished, QueueFull, ShuttingDown, Ticket
+from gpt4all_training.serving.guard import BrowserGuard, allowed_hosts
 from gpt4all_training.serving.protocol import (APIError, ChatRequest, ChatShapes, CompletionRequest,
                                                CompletionShapes, Sampled, Shapes, error_body, parse, sse, usage)
 
@@ -49,6 +52,7 @@ class ServeSettings:
     max_queue: int = 64
     api_key: Optional[str] = None
     log_prompts: bool = False
+    host: str = "127.0.0.1"  # the address bound: requests must name it (or this machine's loopback names)
 
 
 def context_length(model, tokenizer) -> Optional[int]:
@@ -71,6 +75,10 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 
 # ---------------------------------------------------------------- the guard: key, body size, the log line
+
+def browser_refusal(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, "invalid_request_error"), status_code=status)
+
 
 def json_message(status: int, body: dict[str, Any]) -> list[dict[str, Any]]:
     data = json.dumps(body).encode()
@@ -168,7 +176,8 @@ class Guard:
 
 def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Optional[int]):
     """The FastAPI app over `engine` (started and closed by the app's lifespan): the service routes and the OpenAI
-    routes, errors in OpenAI's shape, wrapped in the Guard. A web app mounts its own router beside these."""
+    routes, errors in OpenAI's shape, wrapped in the browser checks and the Guard. A web app mounts its own router
+    beside these."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -183,7 +192,8 @@ def create_app(engine: Engine, tokenizer, settings: ServeSettings, context: Opti
     add_error_handlers(app)
     app.include_router(service_router(engine))
     app.include_router(openai_router(engine, tokenizer, settings, context))
-    return Guard(app, settings.api_key, settings.log_prompts)
+    return BrowserGuard(Guard(app, settings.api_key, settings.log_prompts), allowed_hosts(settings.host),
+                        browser_refusal, log)
 
 
 def add_error_handlers(app: FastAPI) -> None:

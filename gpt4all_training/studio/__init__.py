@@ -11,6 +11,8 @@ subprocess), and every page shows the command line that does what the page did, 
   the curated data.
 - Evaluate, chat, export: `eval` on the shipped suite before and after, a chat with any final/ or checkpoint through
   the serving engine (streamed), `export` as HF or GGUF with download links.
+- Every model picker offers the packaged models by their short names (model/names.py), so a studio on an empty
+  workdir starts from `smollm2`, then the workdir's models/ folders and the runs' final/ and checkpoints.
 
 The front end is plain HTML, CSS and ES modules shipped as package data (static/): no build step, nothing fetched
 from the network at run time, and nothing for CI to install. The one chart it needs (a few lines over the steps) is

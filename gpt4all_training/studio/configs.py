@@ -3,7 +3,8 @@ configs/train/, and saving a filled form as a config YAML that the CLI loads exa
 
 A config is saved only when it loads: the YAML is written to a temporary file and read back by `load_config`, the
 CLI's own loader, so a mistake is the CLI's one line (`lr: must be > 0, got -1.0`) and a saved config is one that
-`gpt4all-training train --config configs/NAME.yaml` accepts.
+`gpt4all-training train --config configs/NAME.yaml` accepts. Every config the studio loads has its paths confined
+to the workdir (`Workdir.confine`, from the paths its schema marks), and a saved one never holds the studio's key.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import os
 import re
 import tempfile
 import typing
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator, Optional
 
 import yaml
 
 import gpt4all_training
-from gpt4all_training.config.fields import choices, unwrap_optional
+from gpt4all_training.config.fields import choices, path_fields, unwrap_optional
 from gpt4all_training.config.loader import load_config, read_yaml
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
@@ -30,20 +31,23 @@ REPO_CONFIGS = Path(gpt4all_training.__file__).resolve().parents[1] / "configs"
 PRESETS_DIR = REPO_CONFIGS / "train"
 EVAL_SUITE_DIR = REPO_CONFIGS / "eval"
 ACCELERATE_DIR = REPO_CONFIGS / "accelerate"
-# Config keys that name local files or folders: each must stay inside the workdir (a Hub id passes: it is a
-# relative name that leads nowhere outside).
-PATH_KEYS = ("model_name", "tokenizer_name", "chat_template", "dataset_path", "model_config", "output_dir",
-             "cache_dir", "checkpoint", "eval_include_path")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+MAX_VALUE_DEPTH = 32  # far deeper than any config value (a list of reward mappings is 2)
+
+
+# What the form says under a field whose file is code that a run imports and runs.
+RUNS_CODE_WARNING = ("A module named here is Python code: the run imports and runs it, as you, with everything you "
+                     "can reach. Name only files you wrote or trust; the studio takes files inside its workdir only.")
 
 
 def field_kind(tp: Any) -> str:
-    """How the form edits a field of type `tp`: bool, int, float, str, choice, list or dict."""
+    """How the form edits a field of type `tp`: bool, int, float, str, choice, choices, list (of strings), mappings
+    (a list of them, as JSON) or dict (as JSON)."""
     if choices(tp) is not None:
         return "choices" if typing.get_origin(unwrap_optional(tp)[0]) is list else "choice"
     base, _ = unwrap_optional(tp)
     if typing.get_origin(base) is list:
-        return "list"
+        return "mappings" if typing.get_args(base)[0] is dict else "list"
     return {bool: "bool", int: "int", float: "float", str: "str", dict: "dict"}[base]
 
 
@@ -53,12 +57,14 @@ def default_of(f: dataclasses.Field) -> Any:
 
 def form_schema() -> list[dict[str, Any]]:
     """The training config's blocks, in `--help`'s order: each with its title and fields (name, kind, default,
-    choices, whether it may be unset or is required, and its doc)."""
+    choices, whether it may be unset or is required, its doc, and a warning for a field that names code to run)."""
     hints = typing.get_type_hints(TrainConfig)
+    code = [name for name, mark in path_fields(TrainConfig).items() if mark.runs_code]
     return [{"title": title,
              "fields": [{"name": f.name, "kind": field_kind(hints[f.name]), "default": default_of(f),
                          "choices": choices(hints[f.name]), "optional": unwrap_optional(hints[f.name])[1],
-                         "required": bool(f.metadata.get("required")), "doc": f.metadata["doc"]}
+                         "required": bool(f.metadata.get("required")), "doc": f.metadata["doc"],
+                         "warning": RUNS_CODE_WARNING if f.name in code else None}
                         for f in fields]}
             for title, fields in TrainConfig.groups()]
 
@@ -79,11 +85,39 @@ def preset_values(workdir: Workdir, name: str) -> dict[str, Any]:
     return {**{key: default_of(f) for key, f in values.items()}, **read_yaml(known[name])}
 
 
-def check_paths(workdir: Workdir, values: dict[str, Any]) -> None:
-    """Every path-valued key stays inside the workdir (OutsideWorkdir, answered 403, otherwise)."""
-    for key in PATH_KEYS:
-        if isinstance(values.get(key), str) and values[key].strip():
-            workdir.path(values[key], key)
+def saved_name(preset: str) -> Optional[str]:
+    """The name a config saved by the form was saved under (configs/NAME.yaml: saving the form under NAME writes it
+    again), for the form's name field; None for a repository preset or a config in a folder of its own."""
+    path = PurePosixPath(preset)
+    if path.parent.as_posix() == CONFIGS_DIR and path.suffix == ".yaml" and NAME.fullmatch(path.stem):
+        return path.stem
+    return None
+
+
+def items_in(value: Any) -> Iterator[tuple[Any, int]]:
+    """Every item of a config value with its depth: the value itself (0), and the keys and values of its mappings
+    and lists, however deep."""
+    stack = [(value, 0)]
+    while stack:  # a stack of its own: a value nested deeply is no reason for Python's recursion
+        item, depth = stack.pop()
+        yield item, depth
+        if isinstance(item, dict):
+            stack += [(inner, depth + 1) for inner in (*item.keys(), *item.values())]
+        elif isinstance(item, (list, tuple)):
+            stack += [(inner, depth + 1) for inner in item]
+
+
+def check_values(values: dict[str, Any], secrets: tuple[str, ...]) -> None:
+    """Refuse, naming its key, a value nested past MAX_VALUE_DEPTH (writing it as YAML would exhaust Python's
+    recursion), or one holding one of `secrets` (the studio's API key): the saved config, the run's config.yaml and
+    every checkpoint would record it, and the run, whose environment lacks the key, could not know to mask it."""
+    for key, value in values.items():
+        for item, depth in items_in(value):
+            if depth > MAX_VALUE_DEPTH:
+                raise UserError(f"{key}: nested more than {MAX_VALUE_DEPTH} levels deep; no config value is")
+            if isinstance(item, str) and any(secret and secret in item for secret in secrets):
+                raise UserError(f"{key}: holds this studio's API key; remove it (a saved config, and every "
+                                f"checkpoint of its run, would record it)")
 
 
 def changed_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -95,12 +129,14 @@ def changed_values(values: dict[str, Any]) -> dict[str, Any]:
     return {key: values[key] for key in fields if key in values and values[key] != default_of(fields[key])}
 
 
-def save_config(workdir: Workdir, name: str, values: dict[str, Any]) -> tuple[str, TrainConfig]:
-    """Write configs/NAME.yaml from the form's values once the CLI's loader accepts them; (its path relative to the
-    workdir, the loaded config). The config's output_dir must be a folder under runs/, where the run list looks."""
+def save_config(workdir: Workdir, name: str, values: dict[str, Any], secrets: tuple[str, ...] = ()
+                ) -> tuple[str, TrainConfig]:
+    """Write configs/NAME.yaml from the form's values once the CLI's loader accepts them and its paths are inside
+    the workdir; (its path relative to the workdir, the loaded config). The config's output_dir must be a folder
+    under runs/, where the run list looks. `secrets`: what no value may hold (the studio's API key)."""
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise UserError(f"name {name!r}: use letters, digits, '.', '_' and '-' (at most 100), e.g. chat-tiny")
-    check_paths(workdir, values)
+    check_values({"name": name, **values}, secrets)
     folder = workdir.path(CONFIGS_DIR)
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=folder)
@@ -118,8 +154,9 @@ def save_config(workdir: Workdir, name: str, values: dict[str, Any]) -> tuple[st
 
 
 def load_in(workdir: Workdir, path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    """`load_config` as the CLI runs it from the workdir (the studio's current folder), with `overrides`."""
-    return load_config(workdir.relative(workdir.path(str(path), "config")), overrides)
+    """`load_config` as the CLI runs it from the workdir (the studio's current folder), with `overrides`; every path
+    the config names confined to the workdir."""
+    return workdir.confine(load_config(workdir.relative(workdir.path(str(path), "config")), overrides))
 
 
 def require_run_folder(workdir: Workdir, output_dir: str) -> Path:

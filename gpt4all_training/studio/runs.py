@@ -9,12 +9,16 @@ id), `studio_exit.json` (the exit code, written by the supervisor), `metrics.jso
 States: running (the supervisor is alive), finished (exit 0, or final/ complete), stopped (stopped by a signal, or
 ended without final/ but with a checkpoint to resume from), failed (any other exit; the log's `error:` line says
 why).
+
+A folder the list cannot read (a record missing a key or not JSON, a link out of the workdir) is left out of the
+list with a warning in the log, so one bad folder hides no other run; asked for by name, it is the one-line error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shlex
 import signal
@@ -25,18 +29,21 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import psutil
+from pydantic import BaseModel, ValidationError
 
 from gpt4all_training.config.loader import read_yaml
 from gpt4all_training.config.secrets import scrub
 from gpt4all_training.errors import UserError
-from gpt4all_training.studio.configs import ACCELERATE_DIR, load_in, require_run_folder
+from gpt4all_training.studio.configs import ACCELERATE_DIR, check_values, load_in, require_run_folder
 from gpt4all_training.studio.supervise import EXIT_FILE, LAUNCHERS, LOG_FILE
 from gpt4all_training.studio.workdir import RUNS_DIR, Workdir
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.checkpoint import FINAL_DIR, MARKER, checkpoint_dirs
+
+log = logging.getLogger("gpt4all_training.studio")
 
 RECORD_FILE = "studio.json"
 LOG_TAIL_LINES = 40
@@ -120,12 +127,47 @@ def accelerate_configs() -> list[str]:
     return sorted(p.name for p in ACCELERATE_DIR.glob("*.yaml"))
 
 
-def read_json(path: Path) -> Optional[dict[str, Any]]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+class RunRecord(BaseModel):
+    """studio.json: how the studio launched the run (Runs.launch writes it)."""
+    command: str
+    config: str
+    pid: int
+    create_time: float
+    launch: Optional[Launch] = None
+
+
+class ExitRecord(BaseModel):
+    """studio_exit.json: how the run ended (the supervisor writes it)."""
+    exit_code: int
+    stop_signal: Optional[str] = None
+
+
+class BadRecord(UserError):
+    """A run's record file that is not what the studio writes: a key missing, a value of another type, not JSON."""
+
+
+Record = TypeVar("Record", bound=BaseModel)
+
+
+def read_record(folder: Path, name: str, shape: type[Record]) -> Optional[Record]:
+    """The run's record file `name` read as `shape`; None when there is none, BadRecord naming the file and what is
+    wrong when it is not one."""
+    path = folder / name
+    if not path.exists():
         return None
-    return value if isinstance(value, dict) else None
+    where = f"{RUNS_DIR}/{folder.name}/{name}"
+    try:
+        return shape.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        problem = f"cannot be read ({exc.strerror or type(exc).__name__})"
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(part) for part in error["loc"])
+        problem = (f"lacks {key!r}" if error["type"] == "missing" else
+                   f"not JSON ({error['msg']})" if error["type"] == "json_invalid" else
+                   f"{key or 'the file'}: {error['msg']}")
+    raise BadRecord(f"{where}: {problem}; the studio writes this file itself, so it was changed or damaged since: "
+                    f"remove it, or the run's folder")
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
@@ -134,16 +176,15 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def alive(record: Optional[dict[str, Any]]) -> bool:
+def alive(record: Optional[RunRecord]) -> bool:
     """Whether the supervisor the record names still runs (the same process: its start time matches, so a process
     id reused by the system later is not mistaken for it)."""
-    if not record or "pid" not in record:
+    if record is None:
         return False
     try:
-        process = psutil.Process(record["pid"])
-        return (abs(process.create_time() - record["create_time"]) < 1.0
-                and process.status() != psutil.STATUS_ZOMBIE)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        process = psutil.Process(record.pid)
+        return abs(process.create_time() - record.create_time) < 1.0 and process.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, OverflowError):  # a pid no process can have
         return False
 
 
@@ -167,15 +208,15 @@ def error_line(folder: Path) -> Optional[str]:
     return errors[-1] if errors else (tail[-1] if tail else None)
 
 
-def run_state(folder: Path, record: Optional[dict[str, Any]], ended: Optional[dict[str, Any]]) -> str:
+def run_state(folder: Path, record: Optional[RunRecord], ended: Optional[ExitRecord]) -> str:
     if alive(record) and ended is None:
         return "running"
     final = (folder / FINAL_DIR / MARKER).is_file()
-    if ended is not None and ended["exit_code"] == 0 or ended is None and final:
+    if ended is not None and ended.exit_code == 0 or ended is None and final:
         return "finished"
     complete = [step for step, path in checkpoint_dirs(folder) if (path / MARKER).is_file()]
-    stopped = ended is not None and (ended.get("stop_signal") in STOPPING_SIGNALS
-                                     or ended["exit_code"] in (128 + signal.SIGTERM, 128 + signal.SIGINT))
+    stopped = ended is not None and (ended.stop_signal in STOPPING_SIGNALS
+                                     or ended.exit_code in (128 + signal.SIGTERM, 128 + signal.SIGINT))
     if stopped or ended is None and complete:
         return "stopped"
     return "failed"
@@ -183,22 +224,22 @@ def run_state(folder: Path, record: Optional[dict[str, Any]], ended: Optional[di
 
 def run_info(workdir: Workdir, folder: Path, detail: bool = False) -> dict[str, Any]:
     """What the run list and the run page show of the run in `folder`, read from the folder alone."""
-    record = read_json(folder / RECORD_FILE)
-    ended = read_json(folder / EXIT_FILE)
+    record = read_record(folder, RECORD_FILE, RunRecord)
+    ended = read_record(folder, EXIT_FILE, ExitRecord)
     state = run_state(folder, record, ended)
     rows = read_metrics(folder / "metrics.jsonl")
     training = [row for row in rows if "loss" in row]
     checkpoints = [step for step, path in checkpoint_dirs(folder) if (path / MARKER).is_file()]
     max_steps = None
-    if record and workdir.path(record["config"], "config").is_file():
-        max_steps = read_yaml(workdir.path(record["config"], "config")).get("max_steps")
+    if record and workdir.path(record.config, "config").is_file():
+        max_steps = read_yaml(workdir.path(record.config, "config")).get("max_steps")
     info = {"name": folder.name, "output_dir": workdir.relative(folder), "state": state,
             "step": training[-1]["step"] if training else 0, "max_steps": max_steps,
             "last": training[-1] if training else None, "checkpoints": checkpoints,
             "final": workdir.relative(folder / FINAL_DIR) if (folder / FINAL_DIR / MARKER).is_file() else None,
-            "command": record["command"] if record else None, "config": record["config"] if record else None,
-            "launch": record.get("launch") if record else None,
-            "exit_code": ended["exit_code"] if ended else None,
+            "command": record.command if record else None, "config": record.config if record else None,
+            "launch": dataclasses.asdict(record.launch) if record and record.launch else None,
+            "exit_code": ended.exit_code if ended else None,
             "resumable": state in ("stopped", "failed") and bool(checkpoints) and record is not None}
     if state == "failed":
         info["error"] = error_line(folder)
@@ -217,9 +258,10 @@ class Runs:
     only to collect their exit status (a finished child would otherwise linger as a zombie while the studio runs);
     their state comes from the folders."""
 
-    def __init__(self, workdir: Workdir, hidden_env: tuple[str, ...] = ()):
+    def __init__(self, workdir: Workdir, hidden_env: tuple[str, ...] = (), secrets: tuple[str, ...] = ()):
         self.workdir = workdir
         self.hidden_env = hidden_env  # variables the run must not see: the studio's API key
+        self.secrets = secrets  # what no config it starts may hold (the key's value): a config written by hand too
         self.children: dict[str, subprocess.Popen] = {}
         # Requests run in threads: two starts at once (a double click) must not both pass the conflict check.
         self.starting = threading.Lock()
@@ -233,9 +275,17 @@ class Runs:
     def list(self) -> list[dict[str, Any]]:
         for child in self.children.values():
             child.poll()
-        root = self.workdir.path(RUNS_DIR)
-        folders = sorted(root.iterdir()) if root.is_dir() else []
-        return [run_info(self.workdir, folder) for folder in folders if is_run_folder(folder)]
+        root = self.workdir.root / RUNS_DIR
+        folders = sorted(root.iterdir()) if root.is_dir() and self.workdir.inside(root) else []
+        listed = []
+        for folder in folders:
+            if not is_run_folder(folder):
+                continue
+            try:
+                listed.append(run_info(self.workdir, self.folder(folder.name)))
+            except UserError as exc:
+                log.warning("%s/%s left out of the run list: %s", RUNS_DIR, folder.name, exc)
+        return listed
 
     def info(self, name: str) -> dict[str, Any]:
         if name in self.children:
@@ -247,6 +297,7 @@ class Runs:
         one on the same devices, is running (unless launch.allow_concurrent)."""
         check_launch(launch)
         config = load_in(self.workdir, launch.config)
+        check_values(config.to_dict(), self.secrets)
         folder = require_run_folder(self.workdir, config.output_dir)
         with self.starting:
             self.check_conflicts(launch, folder.name)
@@ -292,20 +343,21 @@ class Runs:
         """SIGTERM to the run's supervisor, which passes it to the training processes: each finishes its step,
         writes a checkpoint and exits."""
         folder = self.folder(name)
-        record = read_json(folder / RECORD_FILE)
-        if record is None or not alive(record) or (folder / EXIT_FILE).exists():
+        record = read_record(folder, RECORD_FILE, RunRecord)
+        ended = read_record(folder, EXIT_FILE, ExitRecord)
+        if record is None or ended is not None or not alive(record):
             raise RunConflict(f"run {name}: not running")
-        os.kill(record["pid"], signal.SIGTERM)
+        os.kill(record.pid, signal.SIGTERM)
         return run_info(self.workdir, folder, detail=True)
 
     def resume(self, name: str) -> dict[str, Any]:
         """Start the run again from its newest checkpoint, with the launch it was started with."""
         folder = self.folder(name)
-        record = read_json(folder / RECORD_FILE)
-        if record is None:
+        record = read_record(folder, RECORD_FILE, RunRecord)
+        if record is None or record.launch is None:
             raise UserError(f"run {name}: started outside the studio; resume it with `gpt4all-training train "
                             f"--config ... resume=auto`")
         info = run_info(self.workdir, folder)
         if info["state"] == "finished":
             raise RunConflict(f"run {name}: finished; there is nothing to resume")
-        return self.start(Launch(**record["launch"]), resume=True)
+        return self.start(record.launch, resume=True)

@@ -8,12 +8,14 @@ re-sending steps it already has, so its step never goes backwards.
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
 from gpt4all_training.config.blocks import Logging
-from gpt4all_training.config.secrets import redact
+from gpt4all_training.config.secrets import redact, scrub, streams_beneath_scrubbing
 from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.files import atomic_write
 
@@ -63,6 +65,15 @@ def wandb_run_id(output_dir: str | Path, resume_step: int) -> str:
     return run_id
 
 
+def wandb_settings(output_dir: str | Path) -> Any:
+    """wandb's settings for a run in `output_dir`. Its metadata (host, hardware, git state, the program) records the
+    command line and the run's folder in the run file; where either holds a secret, wandb records no metadata."""
+    import wandb
+
+    recorded = [*sys.argv, os.path.abspath(output_dir), os.getcwd()]
+    return wandb.Settings(x_disable_meta=any(scrub(text) != text for text in recorded))
+
+
 class Tracker:
     """The trackers `settings.report_to` names, in output_dir; `config` is the run's whole config, as wandb records
     it (public_config)."""
@@ -89,13 +100,14 @@ class Tracker:
 
             self.tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step + 1)
         if "wandb" in report_to:
-            import wandb
+            with streams_beneath_scrubbing():  # wandb's copy of the console (its run file) gets the scrubbed lines
+                import wandb
 
             # A credential pasted into the project or entity would otherwise be stored in wandb's own files.
             self.wandb_run = wandb.init(project=redact(settings.wandb_project_name),
                                         entity=redact(settings.wandb_entity), config=public_config(config),
                                         dir=str(output_dir), id=wandb_run_id(output_dir, resume_step),
-                                        resume="allow")
+                                        resume="allow", settings=wandb_settings(output_dir))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:

@@ -28,9 +28,12 @@ run gets a new one; a resumed run keeps its checkpoint's. `resume=auto` continue
 without that file, the newest valid checkpoint) and never another run's checkpoints, which it reports and skips.
 With `resume` unset a rerun does the same when `run_id` names a run that left a valid checkpoint, so running the same
 command again after a stop continues the run; it refuses, before any data is read, a config that changes what the run
-trains, and a run that already finished (its final/ is newer than its last checkpoint). `resume=never` starts over in
-a fresh output_dir: what earlier runs wrote there (checkpoints, final/, run_id, metrics, report, trackers' files; not
-the tokenized-data cache, still valid) is moved into `output_dir/set-aside-K/`, never deleted.
+trains. A run that already finished (its final/ is newer than its last checkpoint, or final/ exists and there is no
+checkpoint to continue) is never trained again by accident: the same config has nothing to do (one line, exit 0),
+and without a checkpoint another config is refused, since it would train from step 0 and replace final/.
+`resume=never` starts over in a fresh output_dir: what earlier runs wrote there (checkpoints, final/, run_id, metrics,
+report, trackers' files; not the tokenized-data cache, still valid) is moved into `output_dir/set-aside-K/`, never
+deleted.
 Rotation deletes only this run's checkpoints, and only those older than the newest `keep_last` that verify; it runs
 after every save, and when a run starts and ends (a kill between a save and its rotation leaves one too many). It
 never deletes another run's checkpoints, a corrupt checkpoint newer than the kept ones, or the checkpoint a resume
@@ -67,7 +70,8 @@ from gpt4all_training.files import sha256_file as sha256  # noqa: F401
 from gpt4all_training.files import write_marker
 from gpt4all_training.model.build import recorded_base_fingerprint
 from gpt4all_training.training.resume_config import (NEW_OUTPUT_DIR, check_config_changes, config_changes,
-                                                     hyperparameters, refuse_changes, restore_hyperparameters)
+                                                     described, hyperparameters, refuse_changes,
+                                                     restore_hyperparameters)
 from gpt4all_training.training.state import TrainState
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -440,10 +444,12 @@ RUN_OUTPUTS = re.compile(r"^(step_\d+(\..+)?|final(\..+)?|run_id(\.tmp)?|metrics
 @dataclass
 class ResumePoint:
     """Where a run starts, decided before any data is read: the checkpoint it continues (None: step 0), whether a
-    plain rerun chose it (`resume` unset), and what verify() said about the folders looked at."""
+    plain rerun chose it (`resume` unset), what verify() said about the folders looked at, and whether the run in
+    output_dir already finished with this config (then there is nothing to train)."""
     folder: Path | None
     rerun: bool = False
     verified: dict[Path, str | None] = field(default_factory=dict)
+    finished: bool = False
 
     @property
     def alternative(self) -> str:
@@ -511,11 +517,37 @@ def start_over(output_dir: Path, log: Callable[[str], Any]) -> None:
         f"nothing was deleted; training from step 0")
 
 
+def finished_without_checkpoint(output_dir: Path, config: TrainConfig) -> str:
+    """The line for a run into an output_dir whose final/ holds a finished run and no checkpoint to continue it
+    from: nothing to do when this config trains what that run trained (final/config.yaml); otherwise refused in one
+    line naming the changed keys, since training from step 0 would replace its final/."""
+    path = output_dir / FINAL_DIR / CONFIG_FILE
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        saved = None
+    start_over_instead = ("choose a new output_dir, or pass resume=never to train from step 0 with the finished run "
+                          "set aside (not deleted)")
+    if not isinstance(saved, dict):
+        raise UserError(f"output_dir {output_dir}: holds a finished run (final/) without a readable {path.name}, so "
+                        f"whether this config trains the same cannot be told; {start_over_instead}")
+    changes = config_changes(saved, config, {}, None)
+    if changes:
+        raise UserError(f"output_dir {output_dir}: holds a finished run (final/) that left no checkpoint to "
+                        f"continue, and this config changes what it trained: {described(changes)}; "
+                        f"{start_over_instead}")
+    return (f"output_dir {output_dir}: its last run finished (final/) with this config; nothing to do. To train "
+            f"again from step 0, pass resume=never (the finished run is set aside, not deleted) or choose another "
+            f"output_dir")
+
+
 def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print) -> ResumePoint:
     """Decide where the run starts before any data is read, and say so first: the checkpoint it continues (see
     find_resume_checkpoint), checked against this config; or step 0, in a fresh output_dir under resume=never.
     Refused in one line: a checkpoint that does not verify, a config that changes what its run trains (the data's
-    content is compared later, once it is read), and a plain rerun of a run that already finished."""
+    content is compared later, once it is read), and a config that changes what a finished run without checkpoints
+    trained (its final/ would be replaced). A run that already finished with this config (a plain rerun, or
+    resume=auto with no checkpoint) is `finished`, said in one line: there is nothing to train."""
     output_dir = Path(config.output_dir)
     resume = getattr(config, "resume", None)
     found: list[str] = []  # what the search reported, said after the line that says what the run does
@@ -526,6 +558,14 @@ def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print
             start_over(output_dir, log)
         backend.wait_for_everyone()  # no rank reads output_dir while it is being emptied
     folder = start.folder
+    if folder is None and resume != "never" and (output_dir / FINAL_DIR).is_dir():
+        log(finished_without_checkpoint(output_dir, config))
+        start.finished = True
+        return start
+    if folder is None and start.rerun and (run_id := read_run_id(output_dir)) and not checkpoint_dirs(output_dir):
+        # A run stopped before its first save: nothing to continue, no model to keep; only its record is replaced.
+        found.insert(0, f"note: the run last started in {output_dir} ({run_id}) left no checkpoint and no final/, "
+                        f"so this run starts from step 0 and its metrics replace that run's")
     if folder is not None:
         problem = checked(folder, start.verified)
         if problem is not None:
@@ -536,10 +576,12 @@ def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print
                                  compare_data=not saved_state.get("data_fingerprint"))
         refuse_changes(folder, changes, config, start.alternative)
         if start.rerun and not changes and finished_after(output_dir, folder):
-            raise UserError(f"output_dir {output_dir}: its last run finished (final/ is newer than its last "
-                            f"checkpoint, {folder.name}), so there is nothing to continue; pass resume=never to "
-                            f"train again from step 0 (the finished run is set aside, not deleted), resume=auto to "
-                            f"train again from {folder.name}, or choose another output_dir")
+            log(f"output_dir {output_dir}: its last run finished (final/ is newer than its last checkpoint, "
+                f"{folder.name}) with this config; nothing to do. To train again, pass resume=never (from step 0; "
+                f"the finished run is set aside, not deleted) or resume=auto (from {folder.name}), or choose "
+                f"another output_dir")
+            start.finished = True
+            return start
         if start.rerun:
             log(f"resuming: {output_dir} holds a checkpoint of its last run ({saved_run_id(folder)}), {folder}; "
                 f"continuing it (resume=never starts over, setting that run aside)")

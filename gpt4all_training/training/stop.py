@@ -8,14 +8,23 @@ import threading
 from typing import Any
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second signal: stop at once. A KeyboardInterrupt, so everything on the way out unwinds as for Ctrl-C, that
+    carries the exit code of the signal that stopped the run (143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
 class GracefulStop:
     """SIGTERM (a preempted instance) or SIGINT (Ctrl-C): finish the current step, write a checkpoint, then stop.
 
-    A second signal stops at once (KeyboardInterrupt). The run then exits with 128 + the signal's number (143 for
-    SIGTERM, 130 for SIGINT), as a shell reports a process stopped by that signal, so a wrapper script does not
-    mistake it for a finished run; the checkpoint makes `resume=auto` continue exactly. A signal during the run's
-    last step lets the run finish instead (final/, exit 0), and says so. Used as a context manager, the previous
-    handlers come back however the block ends.
+    A second signal stops at once (StoppedAtOnce, a KeyboardInterrupt). Either way the run exits with 128 + the
+    number of the signal that stopped it (143 for SIGTERM, 130 for SIGINT), as a shell reports a process stopped by
+    that signal, so a wrapper script does not mistake it for a finished run; the checkpoint makes `resume=auto`
+    continue exactly. A signal during the run's last step lets the run finish instead (final/, exit 0), and says so.
+    Used as a context manager, the previous handlers come back however the block ends.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -36,7 +45,7 @@ class GracefulStop:
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None:
             self.close()
-            raise KeyboardInterrupt
+            raise StoppedAtOnce(signum)
         self.received = signum
         plan = ("this is the last step: finishing the run and writing final/" if self.last_step
                 else "finishing this step and writing a checkpoint")

@@ -1,7 +1,7 @@
 """Running the same command again: a rerun into an output_dir whose last run left a checkpoint continues it (the
 first line says so), one with another config is refused in one line before any data is read, a finished run is not
-retrained, `resume=never` starts over with the old run set aside (never deleted), and final/ is only ever replaced
-by a run that finished."""
+retrained (nothing to do, exit 0), `resume=never` starts over with the old run set aside (never deleted), and final/
+is only ever replaced by a run that finished. test_finished_run.py has the finished runs over every entry point."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from resume.harness import run_train as run_with_crash
 from support.launch import explain
 from support.outputs import assert_bitwise_equal_weights, exact_rows, step_dirs
 
+from gpt4all_training.cli.main import main
 from gpt4all_training.training.checkpoint import MARKER, RUN_ID_FILE, sha256, start_over
 
 from .harness import error_lines, one_error_line, run_train
@@ -35,13 +36,15 @@ def interrupted(hard_config, tmp_path_factory) -> Path:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_rerun_after_ctrl_c_continues_by_default(hard_config, reference, interrupted, tmp_path):
+    """With dtype auto the run still says first that it resumes, and then what auto resolved to (the run's dtype)."""
     out = shutil.copytree(interrupted, tmp_path / "run")
     run_id = (out / RUN_ID_FILE).read_text()
-    rerun = run_train(hard_config, out)
+    rerun = run_train(hard_config, out, "dtype=auto")
     assert rerun.returncode == 0, explain(rerun)
-    assert rerun.stdout.splitlines()[0] == (
+    assert rerun.stdout.splitlines()[:2] == [
         f"resuming: {out} holds a checkpoint of its last run ({run_id}), {out / 'step_3'}; continuing it (resume=never "
-        f"starts over, setting that run aside)")
+        f"starts over, setting that run aside)",
+        "dtype: auto is float32 (what the run this one continues resolved)"]
     assert f"resumed from {out / 'step_3'} at step 3" in rerun.stdout
     assert exact_rows(out) == exact_rows(reference)
     assert_bitwise_equal_weights(out / "final", reference / "final")
@@ -66,16 +69,19 @@ def test_a_rerun_with_another_config_is_refused_in_one_line_before_the_data_is_r
 @pytest.mark.slow
 def test_a_finished_run_is_not_retrained_and_resume_never_starts_over_without_losing_it(
         hard_config, reference, checkpointed_run, tmp_path, capsys):
-    """The finished run (checkpoints at steps 2 and 4, final/) run again as it was: refused, nothing touched. With
-    resume=never it is moved whole into set-aside-1/; the new run, killed after step 3, has no final/ (the old one
-    is not replaced by a run that did not finish); the next rerun continues the new run and finishes it."""
+    """The finished run (checkpoints at steps 2 and 4, final/) run again as it was: nothing to do (exit 0), nothing
+    touched. With resume=never it is moved whole into set-aside-1/; the new run, killed after step 3, has no final/
+    (the old one is not replaced by a run that did not finish); the next rerun continues the new run and finishes
+    it."""
     out = shutil.copytree(checkpointed_run, tmp_path / "run")
     before = tree(out)
-    line = one_error_line(capsys, ["train", "--config", str(hard_config), f"output_dir={out}", "save_every=2"])
-    assert line == (f"error: output_dir {out}: its last run finished (final/ is newer than its last checkpoint, "
-                    f"step_4), so there is nothing to continue; pass resume=never to train again from step 0 (the "
-                    f"finished run is set aside, not deleted), resume=auto to train again from step_4, or choose "
-                    f"another output_dir")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(hard_config), f"output_dir={out}", "save_every=2"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"output_dir {out}: its last run finished (final/ is newer than its last checkpoint, step_4) with this "
+        f"config; nothing to do. To train again, pass resume=never (from step 0; the finished run is set aside, not "
+        f"deleted) or resume=auto (from step_4), or choose another output_dir"]
     assert tree(out) == before
 
     old_id = (out / RUN_ID_FILE).read_text()

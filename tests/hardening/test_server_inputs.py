@@ -83,7 +83,7 @@ def client(chat_tokenizer):
     model = build_tiny_gptj(chat_tokenizer).eval()
     engine = Engine(model, chat_tokenizer, eos_ids(model, chat_tokenizer), max_batch_size=4, max_queue=8)
     app = create_app(engine, chat_tokenizer, ServeSettings(model_id=MODEL, max_tokens_cap=8), 512)
-    with TestClient(app, raise_server_exceptions=False) as test_client:
+    with TestClient(app, base_url="http://127.0.0.1:8000", raise_server_exceptions=False) as test_client:
         yield test_client
 
 

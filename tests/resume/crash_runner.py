@@ -6,7 +6,8 @@
 - `during_eval:K`  SIGKILL inside the validation pass of step K, before its second batch;
 - `during_save:K`  SIGKILL while step_K.tmp/ is being written: every file is there but the COMPLETE marker;
 - `before_rotate:K`  SIGKILL once step_K/ is complete, before the older checkpoints are rotated away;
-- `SIGTERM:K` / `SIGINT:K`  send that signal to this process right after step K's training row is logged.
+- `SIGTERM:K` / `SIGINT:K`  send that signal to this process right after step K's training row is logged;
+  `SIGTERM+SIGTERM:K` (any signals joined by `+`) sends each in turn.
 Works as the script of `python` and of `torchrun`.
 """
 
@@ -41,8 +42,9 @@ def wrap_tracker_log(original):
         seen["step"], seen["eval_batches"] = step, 0
         if step == STEP and POINT == "after_step":
             kill()
-        if step == STEP and POINT in ("SIGTERM", "SIGINT"):
-            kill(getattr(signal, POINT))
+        if step == STEP and POINT.startswith("SIG"):
+            for name in POINT.split("+"):
+                kill(getattr(signal, name))
     return log
 
 

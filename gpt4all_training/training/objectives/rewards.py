@@ -20,15 +20,18 @@ Built in (config/blocks.py's BUILTIN_REWARDS names them and their keys):
 
 A user's function is read from its file only: the file is parsed (not run) when the data loads, so a missing file or
 function is an error before the model loads, and imported when training starts, with one line saying that it runs
-the user's code. Whatever it does wrong at a step (raises, returns the wrong number of values, a NaN or no number)
-stops the run with one line naming the file and the function; the last checkpoint is left as it was.
-"""
+the user's code. Whatever it does wrong at a step stops the run with one line naming the file and the function, and
+the last checkpoint is left as it was: it raises, exits (sys.exit, exit()), returns the wrong number of values, or a
+value that is not a finite real number (complex, None, text, an array of another shape, inf, NaN, an integer beyond a
+float's range). True and False count as 1 and 0. Ctrl-C stays an interrupt; os._exit and SIGKILL end the process
+where no Python code can report them."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,46 +149,53 @@ def rewards_of(config) -> list[Reward]:
 
 # ---------------------------------------------------------------- a user's own function
 
-def check_user_reward(reward: Reward) -> None:
-    """The user's file exists and defines the function at its top level: read and parsed, never run."""
+def check_user_reward(reward: Reward, key: str = "rewards") -> None:
+    """The user's file exists and defines the function at its top level: read and parsed, never run. `key` is the
+    config key that names it, for the error lines."""
     path = Path(reward.origin).expanduser()
     if not path.is_file():
-        raise UserError(f"rewards: module {reward.origin}: no such file; give the path of the Python file that "
+        raise UserError(f"{key}: module {reward.origin}: no such file; give the path of the Python file that "
                         f"defines {reward.name}")
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
-        raise UserError(f"rewards: module {reward.origin}: not Python that parses ({exc})") from None
+        raise UserError(f"{key}: module {reward.origin}: not Python that parses ({exc})") from None
     defined = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assigned = {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
                 if isinstance(target, ast.Name)}
     if reward.name not in defined and reward.name not in assigned:
-        raise UserError(f"rewards: module {reward.origin} defines no function {reward.name!r} at its top level "
+        raise UserError(f"{key}: module {reward.origin} defines no function {reward.name!r} at its top level "
                         f"(it defines: {', '.join(defined) or 'none'}); fix function or the file")
 
 
-def load_user_reward(reward: Reward, log: Callable[[str], Any]) -> None:
-    """Run the user's file (its top level, once per process) and take the function from it."""
+def load_user_reward(reward: Reward, log: Callable[[str], Any], key: str = "rewards",
+                     calls: str = "called at every step") -> None:
+    """Run the user's file (its top level, once per process) and take the function from it; `key` names the config
+    key and `calls` says when the function runs, for the log and the error lines."""
     path = Path(reward.origin).expanduser().resolve()
-    log(f"rewards: running your code: {reward.name} from {path} (imported once, called at every step, in this "
-        f"process)")
+    log(f"{key}: running your code: {reward.name} from {path} (imported once, {calls}, in this process)")
     spec = importlib.util.spec_from_file_location(f"grpo_reward_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise UserError(f"rewards: module {reward.origin}: not a Python file Python can import; give a .py file")
+        raise UserError(f"{key}: module {reward.origin}: not a Python file Python can import; give a .py file")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # the user's code failed as it was imported: say where, in one line
-        raise UserError(f"rewards: importing {reward.origin} raised {type(exc).__name__}: {first_line(exc)}") \
-            from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the user's code failed (or exited) as it was imported: say where, in one line
+        raise UserError(f"{key}: importing {reward.origin} {what_it_raised(exc)}") from None
     function = getattr(module, reward.name, None)
     if not callable(function):
-        raise UserError(f"rewards: {reward.name} in {reward.origin} is not a function")
+        raise UserError(f"{key}: {reward.name} in {reward.origin} is not a function")
     reward.function = function
 
 
 def first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [""])[0][:200]
+    try:
+        text = str(exc)
+    except Exception:  # the user's exception class with a __str__ that fails
+        text = ""
+    return (text.splitlines() or [""])[0][:200]
 
 
 # ---------------------------------------------------------------- scoring
@@ -193,33 +203,77 @@ def first_line(exc: BaseException) -> str:
 def score(rewards: list[Reward], prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
           columns: dict[str, list[Any]]) -> tuple[np.ndarray, Optional[str]]:
     """((completions, rewards) float64 of every reward's values, None), or (an empty array, the line that says which
-    reward failed and how). Never raises for the user's code: the caller stops every process together."""
+    reward failed and how). Never raises for the user's code (an exception, sys.exit, a value that is not a finite
+    real number): the caller stops every process together. Ctrl-C while a reward runs stays an interrupt."""
     values = np.zeros((len(completions), len(rewards)), dtype=np.float64)
     for k, reward in enumerate(rewards):
         assert reward.function is not None, "load_user_reward runs before the first step"
         try:
             got = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as exc:  # the user's code: reported in one line, the run stopped by the caller
-            return values[:0], f"{reward.described} raised {type(exc).__name__}: {first_line(exc)}"
-        problem = values_problem(got, len(completions))
+            column, problem = reward_values(got, len(completions))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the user's code, sys.exit included: reported in one line, the run stopped
+            return values[:0], f"{reward.described} {what_it_raised(exc)}"
         if problem:
             return values[:0], f"{reward.described} {problem}"
-        values[:, k] = [float(v) for v in got]
+        values[:, k] = column
     return values, None
 
 
-def values_problem(got: Any, expected: int) -> Optional[str]:
-    """What is wrong with what a reward returned for `expected` completions, or None."""
+def what_it_raised(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"exited (SystemExit: {shown(exc.code)}); a reward returns its values, it does not end the process"
+    message = first_line(exc)
+    return f"raised {type(exc).__name__}: {message}" if message else f"raised {type(exc).__name__}"
+
+
+def reward_values(got: Any, expected: int) -> tuple[list[float], Optional[str]]:
+    """(one float per completion, None) of what a reward returned for `expected` completions, or ([], what is wrong
+    with it). Iterating `got` may run the user's code (a generator): what that raises is the caller's to report."""
     try:
-        got = list(got)
+        items = None if isinstance(got, (str, bytes, dict, set, frozenset)) else iter(got)
     except TypeError:
-        return f"returned {type(got).__name__}, not a list of {expected} numbers (one per completion)"
+        items = None
+    if items is None:
+        described = "None" if got is None else type(got).__name__
+        return [], f"returned {described}, not a list of {expected} numbers (one per completion)"
+    got = list(items)
     if len(got) != expected:
-        return f"returned {len(got)} values for {expected} completions; return one number per completion"
+        return [], f"returned {len(got)} values for {expected} completions; return one number per completion"
+    floats = []
     for i, value in enumerate(got):
-        if not isinstance(value, (int, float, np.number)) and not (hasattr(value, "item")
-                                                                  and getattr(value, "ndim", 1) == 0):
-            return f"returned {value!r} for completion {i + 1}, not a number; return one number per completion"
-        if not math.isfinite(float(value)):
-            return f"returned {float(value)} for completion {i + 1}; return finite numbers"
-    return None
+        number = real_number(value, i + 1)
+        if isinstance(number, str):
+            return [], number
+        floats.append(number)
+    return floats, None
+
+
+def real_number(value: Any, completion: int) -> float | str:
+    """A reward's value for the `completion`th completion as a float, or what is wrong with it. Python's and numpy's
+    real numbers, and 0-d numpy arrays and torch tensors of them, are numbers; True and False count as 1 and 0 (bool
+    is an int, and TRL takes them so). Complex numbers, None, text, arrays of another shape, numbers beyond a float's
+    range, inf and NaN are not."""
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # numpy's scalars, 0-d arrays and tensors
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        return (f"returned {shown(value)} for completion {completion}, not a real number; return one real number "
+                f"per completion")
+    try:
+        number = float(value)
+    except OverflowError:
+        described = f"an integer of {value.bit_length()} bits" if isinstance(value, int) else shown(value)
+        return f"returned {described} for completion {completion}, beyond a float's range; return finite numbers"
+    if not math.isfinite(number):
+        return f"returned {number} for completion {completion}; return finite numbers"
+    return number
+
+
+def shown(value: Any) -> str:
+    """`value` as an error line shows it: its repr, cut short."""
+    try:
+        text = repr(value)
+    except Exception:  # a repr that fails (the user's class, an int of too many digits): its type instead
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
