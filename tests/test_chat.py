@@ -28,8 +28,8 @@ from support.templates import expected_example, family_tokenizer, reasoning_conv
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.data.chat import end_of_turn_id, tokenized_conversations
-from gpt4all_training.data.sft import load_data
+from gpt4all_training.data.chat import context_cut, end_of_turn_id, tokenized_conversations
+from gpt4all_training.data.sft import build_example, load_data
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.chat_templates import CHATML, apply_chat_template_option
 
@@ -170,6 +170,34 @@ def test_a_last_round_too_long_alone_is_cut_without_end_of_turn(chat):
     assert (row["input_ids"], row["labels"]) == (ids[:max_length], labels[:max_length])
     assert tokenizer.convert_tokens_to_ids(end_of_turn) not in [label for label in row["labels"] if label != M]
     assert (row["truncated_prompt"], row["truncated_response"], row["drop_reason"]) == (False, True, "")
+
+
+def test_a_last_round_too_long_alone_gives_up_the_start_of_its_question_not_its_answer(chat):
+    tokenizer, end_of_turn, strips = chat
+    long_question = {"role": "user", "content": "Think of the sky on a clear day. " * 30 + "Which colour is it?"}
+    messages = [SYSTEM, long_question, ROUND_1[1]]
+    ids, labels = offsets_labels(tokenizer, messages, {2}, end_of_turn, strips)
+    first_trained = next(i for i, label in enumerate(labels) if label != M)
+    max_length = 40
+    kept_context = max_length - (len(ids) - first_trained)  # the answer and what follows it keep all of theirs
+    assert max_length // 2 < kept_context < first_trained
+    row = tokenize_conversation(tokenizer, messages, max_length=max_length)
+    cut = first_trained - kept_context
+    assert row["input_ids"] == ids[cut:]
+    assert row["labels"] == [M] + labels[cut + 1:]
+    assert trained_text(tokenizer, row) == [tokenizer.decode(ids[first_trained:]).rstrip("\n")]
+    assert (row["truncated_prompt"], row["truncated_response"], row["drop_reason"]) == (True, False, "")
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(context=st.integers(1, 40), answer=st.integers(1, 40), max_length=st.integers(2, 48))
+def test_a_conversation_gives_up_as_much_of_its_context_as_a_pair_gives_up_of_its_prompt(context, answer,
+                                                                                          max_length):
+    """context_cut's rule is sft.build_example's: a pair's prompt is a conversation's context, its response and EOS
+    the trained rest."""
+    pair = build_example(list(range(100, 100 + context)), list(range(200, 200 + answer)), 0, max_length)
+    kept_prompt = sum(1 for i in pair.input_ids if 100 <= i < 200)
+    assert context_cut(context + answer + 1, [(context, context + answer + 1)], max_length) == context - kept_prompt
 
 
 @pytest.mark.slow
@@ -315,7 +343,17 @@ def test_plain_prompt_template_refuses_conversations(chat_tokenizer, tmp_path):
         load_data(config, chat_tokenizer)
 
 
-def test_a_dataset_mixing_conversations_and_pairs_renders_every_row_as_a_conversation(chat_tokenizer, tmp_path):
+def pair_example(tokenizer, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """The expected (ids, labels) of a prompt/response record under the chat prompt template, from the rendered
+    generation prompt: the prompt untrained, the response and EOS trained."""
+    prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + response_ids, [M] * len(prompt_ids) + response_ids
+
+
+def test_a_dataset_mixing_conversations_and_pairs_tokenises_each_row_by_its_own_shape(chat_tokenizer, tmp_path):
     rows = [{"messages": [SYSTEM, *ROUND_1, *ROUND_2], "source": "chat"},
             {"messages": [SYSTEM, *TOOL_ROUND], "source": "tool"},
             {"source": "pair", "prompt": ROUND_1[0]["content"], "response": ROUND_1[1]["content"]},
@@ -327,7 +365,7 @@ def test_a_dataset_mixing_conversations_and_pairs_renders_every_row_as_a_convers
     assert stats.dropped == {"last_turn_not_assistant": 1}
     by_index = {row["index"]: row for row in train}
     assert sorted(by_index) == [0, 1, 2]
-    expected_pair = offsets_labels(chat_tokenizer, ROUND_1, {1}, "<|im_end|>", False)
+    expected_pair = pair_example(chat_tokenizer, ROUND_1[0]["content"], ROUND_1[1]["content"])
     assert (by_index[2]["input_ids"], by_index[2]["labels"]) == expected_pair
     assert (by_index[0]["input_ids"], by_index[0]["labels"]) == offsets_labels(
         chat_tokenizer, [SYSTEM, *ROUND_1, *ROUND_2], {2, 4}, "<|im_end|>", False)
@@ -337,7 +375,8 @@ def test_a_dataset_mixing_conversations_and_pairs_renders_every_row_as_a_convers
 
 def test_a_folder_of_clean_files_of_different_shapes_trains_as_one_dataset(chat_tokenizer, tmp_path):
     """clean.py's folder from prompt/response and conversation inputs side by side: the same examples as the same
-    records in one file, a pair trained as a one-round conversation."""
+    records in one file, a pair trained as a prompt/response pair (tests/test_data_shapes.py compares each record
+    with its file alone)."""
     from gpt4all_training.data.clean import clean
 
     pairs = [{"instruction": "Name a colour.", "context": "", "response": "Red.", "category": "open_qa"}]
@@ -357,9 +396,7 @@ def test_a_folder_of_clean_files_of_different_shapes_trains_as_one_dataset(chat_
         (train, _), (stats, _) = load_data(config, chat_tokenizer)
         examples[name] = [(row["index"], row["input_ids"], row["labels"]) for row in train]
     assert len(examples["folder"]) == 3 and examples["folder"] == examples["one"]
-    assert examples["folder"][0][1:] == offsets_labels(chat_tokenizer, [{"role": "user", "content": "Name a colour."},
-                                                                        {"role": "assistant", "content": "Red."}],
-                                                       {1}, "<|im_end|>", False)
+    assert examples["folder"][0][1:] == pair_example(chat_tokenizer, "Name a colour.", "Red.")
 
 
 @pytest.mark.slow

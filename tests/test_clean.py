@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -140,6 +141,47 @@ def test_malformed_file_with_every_filter(tmp_path):
     assert read_jsonl(tmp_path / "malformed_clean.jsonl") == MALFORMED_KEPT[:5] + MALFORMED_KEPT[8:]
 
 
+# Every record the malformed file loses, as --rejects writes it: (line, reason), in the order read.
+MALFORMED_REJECTS = [
+    (3, "blank_line"), (4, "blank_line"), (5, "invalid_utf8"), (6, "invalid_utf8"), (7, "invalid_json"),
+    (8, "not_an_object"), (9, "not_an_object"), (10, "not_an_object"), (11, "unknown_format"), (12, "missing_prompt"),
+    (13, "missing_response"), (14, "missing_prompt"), (15, "non_string_prompt"), (16, "non_string_response"),
+    (17, "non_string_response"), (18, "short_prompt"), (19, "short_prompt"), (20, "empty_response"),
+    (21, "duplicate"), (22, "invalid_unicode"), (24, "missing_instruction"), (25, "non_string_context"),
+    (26, "missing_response"), (27, "malformed_message"), (27, "deleted_message"), (27, "deleted_message"),
+    (27, "malformed_message"), (28, "no_pairs"), (29, "missing_prompt"), (30, "malformed_message"),
+]
+
+
+def test_rejects_names_every_dropped_line_with_its_reason(tmp_path):
+    report = clean([str(MALFORMED)], tmp_path / "out", oasst="pairs", rejects=tmp_path / "rejects" / "r.jsonl")
+    assert report["rejects"] == str(tmp_path / "rejects" / "r.jsonl")
+    rejects = read_jsonl(tmp_path / "rejects" / "r.jsonl")
+    assert [(r["line"], r["reason"]) for r in rejects] == MALFORMED_REJECTS
+    assert Counter(r["reason"] for r in rejects) == MALFORMED_DROPPED
+    assert {r["file"] for r in rejects} == {str(MALFORMED)}
+    lines = MALFORMED.read_bytes().split(b"\n")
+    by_line = {r["line"]: r for r in rejects}
+    # A line that holds no record comes back as its text (bytes that are not UTF-8 as escapes), one that does as
+    # the record read from it.
+    assert by_line[4] == {"file": str(MALFORMED), "line": 4, "reason": "blank_line", "text": "   \t"}
+    assert by_line[6]["text"] == "\\xff\\xfe{}"
+    assert by_line[7]["text"] == lines[6].decode()
+    assert by_line[21] == {"file": str(MALFORMED), "line": 21, "reason": "duplicate", "record": json.loads(lines[20])}
+    assert by_line[22]["record"]["prompt"] == "A lone surrogate \ud800 here"
+    assert all(r["record"] == json.loads(lines[r["line"] - 1]) for r in rejects if "record" in r)
+
+
+def test_rejects_is_refused_where_it_would_be_read_as_data(tmp_path):
+    write_jsonl(tmp_path / "raw" / "a.jsonl", [{"prompt": "Hi there", "response": "Hello."}])
+    for path, words in [(tmp_path / "raw" / "a.jsonl", "it would be read as an input"),
+                        (tmp_path / "raw" / "rejects.jsonl", "it would be read as an input"),
+                        (tmp_path / "out" / "rejects_clean.jsonl", "training reads every *_clean.jsonl")]:
+        with pytest.raises(UserError, match=rf"^--rejects {path}: {re.escape(words)}"):
+            clean([str(tmp_path / "raw")], tmp_path / "out", rejects=path)
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- files in, files out
 
 def test_inputs_are_never_modified(tmp_path):
@@ -225,3 +267,22 @@ def test_script_prints_the_counts(tmp_path):
         f"{MALFORMED}: lines 34, read 39, kept 8, dropped 31 ({reasons})",
         f"report: {tmp_path / 'clean_report.json'}",
     ]
+
+
+@pytest.mark.integration
+def test_script_prints_each_file_as_given_and_writes_the_rejects(tmp_path):
+    """A relative name is printed as typed (`my_data.jsonl`, not resolved or re-cased), and --rejects says where the
+    dropped records went and how many."""
+    (tmp_path / "my_data.jsonl").write_bytes(MALFORMED.read_bytes())
+    result = subprocess.run([PYTHON, str(REPO / "clean.py"), "my_data.jsonl", "--output-dir", "out", "--rejects",
+                             "rejects.jsonl", "--oasst", "pairs"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert (result.returncode, result.stderr) == (0, "")
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(MALFORMED_DROPPED.items()))
+    assert result.stdout.splitlines() == [
+        f"my_data.jsonl: lines 34, read 39, kept 9, dropped 30 ({reasons})",
+        "report: out/clean_report.json",
+        "rejects: rejects.jsonl (30 records)",
+    ]
+    rejects = read_jsonl(tmp_path / "rejects.jsonl")
+    assert [(r["file"], r["line"], r["reason"]) for r in rejects] == [("my_data.jsonl", *r) for r in MALFORMED_REJECTS]

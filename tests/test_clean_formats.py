@@ -125,6 +125,30 @@ def test_csv_and_tsv_rows_with_every_drop_counted(tmp_path):
     assert cleaned(tmp_path, tsv)[1] == [{"source": "alpaca", "prompt": "Say hi.", "response": "Hi."}]
 
 
+def test_rejects_number_csv_rows_by_the_line_they_start_on_and_array_elements_by_position(tmp_path):
+    csv_file = tmp_path / "rows.csv"
+    csv_file.write_bytes(b"instruction,context,response,category\r\n"
+                         b'"Summarise,\r\nbriefly.","Cats sleep.\r\nDogs bark.",,summarization\r\n'
+                         b"Too,many,fields,here,yes\r\n"
+                         b"\r\n"
+                         b"Bad \xff byte,,x,open_qa\r\n"
+                         b"Name a prime.,,Seven.,open_qa\r\n")
+    array = tmp_path / "items.json"
+    array.write_text(json.dumps([{"prompt": "A?", "response": "a"}, ["not", "a", "record"], {"prompt": "A?",
+                                                                                           "response": "a"}]))
+    clean([str(csv_file), str(array)], tmp_path / "out", rejects=tmp_path / "rejects.jsonl")
+    assert read_jsonl(tmp_path / "rejects.jsonl") == [
+        {"file": str(csv_file), "line": 2, "reason": "empty_response",
+         "record": {"instruction": "Summarise,\r\nbriefly.", "context": "Cats sleep.\r\nDogs bark.", "response": "",
+                    "category": "summarization"}},
+        {"file": str(csv_file), "line": 5, "reason": "wrong_field_count", "text": "Too,many,fields,here,yes"},
+        {"file": str(csv_file), "line": 6, "reason": "blank_line", "text": ""},
+        {"file": str(csv_file), "line": 7, "reason": "invalid_utf8", "text": "Bad \\xff byte,,x,open_qa"},
+        {"file": str(array), "line": 2, "reason": "not_an_object", "text": '["not", "a", "record"]'},
+        {"file": str(array), "line": 3, "reason": "duplicate", "record": {"prompt": "A?", "response": "a"}},
+    ]
+
+
 def test_a_csv_of_unknown_columns_is_named_as_such_not_as_invalid_json(tmp_path, capsys):
     data = tmp_path / "qa.csv"
     data.write_text("question,answer\nWhat?,That.\n")

@@ -115,7 +115,7 @@ def test_settings_that_do_not_decide_the_tokens_still_hit(tokenizer, tiny_model_
 def test_a_corrupt_or_incomplete_entry_is_detected_and_rebuilt(damage, tokenizer, tiny_model_dir, data_dir, tmp_path,
                                                                tokenizations):
     first, _ = start(tokenizer, tiny_model_dir, data_dir, tmp_path)
-    (entry,) = [p for p in (tmp_path / "run" / "tokenized").iterdir()]
+    (entry,) = [p for p in (tmp_path / "run" / "tokenized").iterdir() if p.is_dir()]  # beside it: its lock
     arrow = sorted((entry / "train").glob("*.arrow"))[0]
     if damage == "flip a byte":
         data = bytearray(arrow.read_bytes())
@@ -153,8 +153,8 @@ def test_train_restarted_in_its_output_dir_uses_the_cache_and_trains_the_same(ti
                                      "max_length": 32, "batch_size": 4, "max_steps": 3, "eval_every": None,
                                      "save_every": None, "num_proc": 1})
     runs = []
-    for _ in range(2):
-        result = run_train(config, tmp_path / "run")
+    for overrides in ((), ("resume=never",)):  # a finished run is trained again only when set aside: not its cache
+        result = run_train(config, tmp_path / "run", *overrides)
         assert result.returncode == 0, explain(result)
         rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         runs.append((result.stdout, [(r["step"], r["loss"]) for r in rows if "loss" in r]))

@@ -390,8 +390,8 @@ def test_serve(family, lora_run, expected_replies):
         settings = ServeSettings(model_id="run")
         engine = Engine(model, tokenizer, eos_ids(model, tokenizer), 2, settings.max_queue)
         app = create_app(engine, tokenizer, settings, context_length(model, tokenizer))
-        with TestClient(app) as http:
-            client = OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+        with TestClient(app, base_url="http://127.0.0.1:8000") as http:  # a name of this machine: the guard's Host
+            client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused", http_client=http)
 
             def ask(messages):
                 answer = client.chat.completions.create(model="run", messages=messages, max_tokens=NEW_TOKENS,

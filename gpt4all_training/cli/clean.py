@@ -11,7 +11,7 @@ from typing import Any
 from gpt4all_training.data.clean import OASST_MODES, Filters, clean
 from gpt4all_training.data.raw_files import SUFFIXES, read_units
 from gpt4all_training.errors import UserError
-from gpt4all_training.files import writable_folder
+from gpt4all_training.files import writable_file, writable_folder
 
 # What clean.py reads, for the error when it keeps nothing (data/clean.py's docstring has the details).
 FORMATS = ("gpt4all records (prompt, response), Dolly (instruction, context, response), OpenAI messages, ShareGPT "
@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oasst-preferences", action="store_true",
                         help="OpenAssistant trees as preference pairs (objective dpo): under each prompt, its "
                              "best-ranked reply against each lower-ranked one, the thread above as the prompt")
+    parser.add_argument("--rejects", metavar="FILE",
+                        help="write every dropped record to FILE as JSONL: its file, line, reason, and the record "
+                             "(or, for a line that holds none, its text)")
+    parser.add_argument("--near-duplicates", type=float, metavar="SIMILARITY",
+                        help="also drop a record whose text shares at least this fraction of its word 3-grams with "
+                             "a record kept before it (estimated Jaccard similarity, MinHash-LSH), e.g. 0.9")
     parser.add_argument("--prompts", action="store_true",
                         help="every record as a prompt to sample from (objective grpo): its prompt (text or "
                              "messages ending with the user's turn; or its messages) and every other field, which "
@@ -44,10 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     writable_folder("--output-dir", args.output_dir)  # before any input is read
+    if args.rejects:
+        writable_file("--rejects", args.rejects, example="rejects.jsonl")
     filters = Filters(args.drop_ai_disclaimers, args.drop_refusals, args.min_response_chars)
-    report = clean(args.inputs, args.output_dir, filters, args.oasst, args.oasst_preferences, args.prompts)
+    report = clean(args.inputs, args.output_dir, filters, args.oasst, args.oasst_preferences, args.prompts,
+                   args.rejects, args.near_duplicates)
     print_report(report)
     print(f"report: {Path(args.output_dir) / 'clean_report.json'}")
+    if args.rejects:
+        print(f"rejects: {args.rejects} ({report['total'].get('read', 0) - report['total'].get('kept', 0)} records)")
     if not report["total"].get("kept"):
         raise UserError(nothing_kept(report))
     return 0
@@ -77,7 +88,7 @@ def first_record_fields(report: dict[str, Any]) -> str:
     file's header, a Parquet file's columns), else ""."""
     for name in report["files"]:
         try:
-            record = next((unit for unit in read_units(Path(name)) if isinstance(unit, dict)), None)
+            record = next((unit.record for unit in read_units(Path(name)) if isinstance(unit.record, dict)), None)
         except (OSError, UserError):
             continue
         if record is not None:

@@ -12,6 +12,15 @@ An entry's key is the SHA-256 of everything that decides the tokens:
 - the code: the source of the data package, and the versions of transformers, tokenizers and datasets.
 Any change gives another key: a miss, and a new entry.
 
+One process prepares an entry; the others wait for it. Each start takes the entry's lock (`<key>.lock` beside it, an
+operating-system file lock, released when the process ends however it ends) before it looks: the first one finds
+nothing, tokenizes and writes the entry while it holds the lock; every other process that asks for the same entry
+meanwhile (the other ranks of a torchrun, accelerate or DeepSpeed launch on that machine, a `check` or a second run
+started beside it) waits on the lock, then finds the entry whole and memory-maps it. They wait on a file, not on a
+collective, so a preparation of any length never meets the launch's collective timeout (NCCL's 10 minutes by
+default). A cache folder that cannot hold the lock file is one that cannot hold an entry either: each process then
+tokenizes on its own, as when the entry cannot be written.
+
 An entry is the folder `<cache_dir>/<key>/`: the kept train and validation splits (`Dataset.save_to_disk`), their
 statistics (`stats.json`) and, written last, a `COMPLETE` marker that lists every file's SHA-256 (`files.py`). It is
 written as `<key>.partial-<random>/` and renamed, so a crash never leaves an entry that looks whole; an entry
@@ -25,6 +34,7 @@ each set in a folder of its own inside the entry, named by what else decides the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -142,11 +152,42 @@ def load_arrays(folder: Path) -> dict[str, np.ndarray]:
     return {path.stem: np.load(path, allow_pickle=False) for path in sorted(folder.glob("*.npy"))}
 
 
+@contextlib.contextmanager
+def preparing(entry: Path, log: Callable[[str], Any]):
+    """Holds the lock of `entry` (see the module docstring), saying so when another process holds it first; holds
+    nothing where the cache folder cannot be written."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(f"{entry}.lock")
+    held = True
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log(f"tokenized data: another process is preparing {entry}; waiting for it")
+            lock.acquire()
+    except OSError:
+        held = False
+    try:
+        yield
+    finally:
+        if held:
+            lock.release()
+
+
 def cached_splits(config: TrainConfig, tokenizer, records_digest: str, build: Callable[[], tuple[tuple, tuple]],
                   log: Callable[[str], Any]) -> tuple[tuple, tuple]:
-    """((train, val), (train_stats, val_stats)): from the cache entry of these inputs, or `build()` and saved as one.
-    A cache that cannot be written costs the next start a tokenization, never this run."""
+    """((train, val), (train_stats, val_stats)): from the cache entry of these inputs, or `build()` and saved as one,
+    by one process at a time (`preparing`). A cache that cannot be written costs the next start a tokenization,
+    never this run."""
     entry = cache_entry(config, tokenizer, records_digest)
+    with preparing(entry, log):
+        return entry_or_built(entry, build, log)
+
+
+def entry_or_built(entry: Path, build: Callable[[], tuple[tuple, tuple]], log: Callable[[str], Any]
+                   ) -> tuple[tuple, tuple]:
     if entry.is_dir():
         problem = entry_problem(entry)
         if problem is None:

@@ -22,6 +22,8 @@ a last turn), Mistral's moves the tool definitions and the system message to the
 and a turn whose context the template rewrites so, is kept as context: trained, it would teach text in a place
 where inference never has the model write it. Where the text is the same but the tokenizer merges across the turn
 boundary, the conversation is dropped as `prefix_mismatch` rather than trained on ids inference never produces.
+The rule is stated with one encoding per prefix; data/one_render.py gets the same spans from one tokenization of the
+conversation and the prefixes' texts, where the tokenizer allows it, and leaves the rest to the prefixes' encodings.
 
 Reasoning (an assistant turn's `reasoning_content`, or the `<think>...</think>` block its content opens with) is
 trained as the template renders it, with the turn's answer; with `train_reasoning: false` the tokens that the
@@ -34,8 +36,11 @@ turn as an empty answer): it is marked `unrendered_<part>`, which data.py refuse
 (`unrendered_part`), and `serve` answers 400.
 
 An over-long conversation loses whole rounds (a user turn and what answers it) from the start, the system message
-kept, until it fits; only a last round that alone is too long is cut at max_length, and its cut assistant turn gets
-no end-of-turn label.
+kept, until it fits. A last round that alone is too long gives up the start of its context (the tokens before its
+first trained turn), as a prompt/response pair gives up its prompt's start, keeping at least half of max_length:
+the end of the question stays with the answer. What still does not fit is cut at max_length, and a cut assistant
+turn gets no end-of-turn label. (Preference pairs of messages, data/pairs.py, keep both answers' contexts whole
+instead: each answer would give up a different share of it.)
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from typing import Any, Optional, Union
 
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.data.conversations import conversation_problem, template_messages, tools_problem, trained
+from gpt4all_training.data.one_render import OneRender
 from gpt4all_training.errors import UserError
 
 # Private-use characters: transformers marks typed special tokens with two of them and strips any a user typed, so
@@ -68,22 +74,19 @@ class ConversationExample:
     labels: list[int]
     dropped_rounds: int  # rounds dropped from the start to fit max_length
     cut_turn: bool  # an assistant turn cut at max_length (it lost its end-of-turn label)
+    cut_context: bool = False  # the last round's context lost its start to fit max_length
 
     @property
     def n_trained(self) -> int:
-        return sum(label != IGNORE for label in self.labels)
+        return len(self.labels) - self.labels.count(IGNORE)
 
 
 def conversation_messages(row: dict[str, Any]) -> tuple[Messages, list[bool]] | str:
     """A record's messages as the template reads them (tool-call arguments decoded into objects), and which turns
-    are trained; or the drop reason.
-
-    A prompt/response record (a dataset may mix both) is a user turn and an assistant turn. Keys a dataset column
-    fills with None for the messages that lack them are left out, and so is our own `train`.
+    are trained; or the drop reason. Keys a dataset column fills with None for the messages that lack them are left
+    out, and so is our own `train`.
     """
     raw = row.get("messages")
-    if raw is None:
-        raw = [{"role": "user", "content": row.get("prompt")}, {"role": "assistant", "content": row.get("response")}]
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
         return "malformed_messages"
     present = [{k: v for k, v in m.items() if v is not None} for m in raw]
@@ -163,6 +166,7 @@ class ChatEncoder:
         self.marked = re.compile("|".join([*map(re.escape, control), f"[{PRIVATE_USE}]"]))
         self.sanitizing = copy.copy(tokenizer)
         self.sanitizing.chat_control_tokens = sorted(named)
+        self.one_render: Optional[OneRender] = None  # made on first use: it checks itself against spans_by_prefix
 
     def typed_control_text(self, value: Any) -> bool:
         """Whether any string in a message holds control-token text (or a private-use character)."""
@@ -247,7 +251,23 @@ class ChatEncoder:
         """Per conversation: (its ids, the [start, end) token spans trained), or the drop reason. A trained turn's
         span starts after the generation prompt and ends after the last special token of the turn; a turn the
         template writes differently once more follows it has none (see the module docstring), and with
-        train_reasoning False a turn's reasoning splits its span in two."""
+        train_reasoning False a turn's reasoning splits its span in two. Found from one tokenization of each
+        conversation where data/one_render.py can (the same spans), else turn by turn (spans_by_prefix)."""
+        tools = tools or [None] * len(conversations)
+        if self.one_render is None:
+            self.one_render = OneRender(self)
+        results = self.one_render.spans(conversations, trained_flags, tools)
+        left = [i for i, result in enumerate(results) if result is None]
+        if left:
+            for i, result in zip(left, self.spans_by_prefix([conversations[i] for i in left],
+                                                            [trained_flags[i] for i in left],
+                                                            [tools[i] for i in left])):
+                results[i] = result
+        return results  # type: ignore[return-value]  # every None was filled
+
+    def spans_by_prefix(self, conversations: list[Messages], trained_flags: list[list[bool]],
+                        tools: list[Tools] | None = None) -> list[tuple[list[int], list[tuple[int, int]]] | str]:
+        """turn_spans' answer from one encoding per prefix: the rule itself (see the module docstring)."""
         tools = tools or [None] * len(conversations)
         requests: list[tuple[Messages, Tools, bool]] = []
         for messages, flags, offered in zip(conversations, trained_flags, tools):
@@ -309,11 +329,12 @@ class ChatEncoder:
         return whole is None or context is None or not whole.startswith(context)
 
     def examples(self, conversations: list[Messages], trained_flags: list[list[bool]], max_length: int,
-                 drop_first: list[int] | None = None, tools: list[Tools] | None = None
+                 drop_first: list[int] | None = None, tools: list[Tools] | None = None, keep_answers: bool = False
                  ) -> list[ConversationExample | str]:
         """Labelled examples of at most max_length tokens, or drop reasons. Over-long conversations lose rounds from
         the start (one encoding per try: long conversations are few) until they fit or one round is left;
-        `drop_first` gives, per conversation, how many rounds it loses before the first try."""
+        `drop_first` gives, per conversation, how many rounds it loses before the first try. With `keep_answers`, one
+        still too long then gives up the start of its context (context_cut) before its answers are cut."""
         results: list[ConversationExample | str] = []
         drop_first = drop_first or [0] * len(conversations)
         tools = tools or [None] * len(conversations)
@@ -333,10 +354,24 @@ class ChatEncoder:
             labels = [IGNORE] * len(ids)
             for start, end in spans:
                 labels[start:end] = ids[start:end]
+            cut = context_cut(len(ids), spans, max_length) if keep_answers else 0
+            ids, labels = ids[cut:], labels[cut:]
             labels[0] = IGNORE
             results.append(ConversationExample(ids[:max_length], labels[:max_length], dropped,
-                                               any(end > max_length for _, end in spans)))
+                                               any(end - cut > max_length for _, end in spans), cut > 0))
         return results
+
+
+def context_cut(length: int, spans: list[tuple[int, int]], max_length: int) -> int:
+    """How many tokens a conversation of `length` tokens, trained on `spans` (in order), gives up from its start to
+    fit max_length: of its context (what precedes the first trained token), as much as the rest needs beyond
+    max_length, but never so much that less than half of max_length of the context is left (sft.build_example's rule
+    for a prompt)."""
+    if length <= max_length or not spans:
+        return 0
+    context = spans[0][0]
+    keep = min(context, max(max_length // 2, max_length - (length - context)))
+    return context - keep
 
 
 def reasoning_masked(span: tuple[int, int], full: list[int], changed: Optional[list[int]]) -> list[tuple[int, int]]:
@@ -455,13 +490,29 @@ def encode_for_generation(tokenizer, conversations: list[Messages], tools: list[
     return out
 
 
+ENCODERS: dict[tuple, tuple[Any, ChatEncoder]] = {}  # this process's encoders, for encoder_for
+
+
+def encoder_for(tokenizer, train_reasoning: bool) -> ChatEncoder:
+    """A ChatEncoder of `tokenizer`, made once per process for the tokenizer as it now is (its object, template and
+    vocabulary size): datasets.map calls tokenized_conversations per batch, and an encoder's making (its control
+    tokens, data/one_render.py's checks) costs a batch's tenth."""
+    key = (id(tokenizer), train_reasoning, tokenizer.chat_template, len(tokenizer))
+    held = ENCODERS.get(key)
+    if held is None or held[0] is not tokenizer:
+        if len(ENCODERS) >= 8:
+            ENCODERS.clear()
+        held = ENCODERS[key] = (tokenizer, ChatEncoder(tokenizer, train_reasoning))
+    return held[1]
+
+
 def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, train_turns: str,
                             train_reasoning: bool = True) -> dict[str, list]:
-    """A batched `datasets.map` function over records with `messages` (or prompt/response) and optional `tools`:
-    the columns sft.tokenize_batch adds, for conversations. `truncated_prompt` counts rows that lost rounds from the
-    start, `truncated_response` rows whose assistant turn was cut."""
+    """A batched `datasets.map` function over records with `messages` and optional `tools`: the columns
+    sft.tokenize_batch adds, for conversations. `truncated_prompt` counts rows that lost rounds or the start of their
+    context, `truncated_response` rows whose assistant turn was cut."""
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-    encoder = ChatEncoder(tokenizer, train_reasoning)
+    encoder = encoder_for(tokenizer, train_reasoning)
     parsed: list[tuple[Messages, list[bool], Tools] | str] = []
     for row in rows:
         item = conversation_messages(row)
@@ -479,7 +530,7 @@ def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, 
             flags = [flag and i == last for i, flag in enumerate(flags)]
         trained_flags.append(flags)
     examples = iter(encoder.examples([m for m, _, _ in usable], trained_flags, max_length,
-                                     tools=[t for _, _, t in usable]))
+                                     tools=[t for _, _, t in usable], keep_answers=True))
     out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "n_trained", "length", "truncated_prompt",
                                             "truncated_response", "drop_reason")}
     for entry in parsed:
@@ -493,7 +544,7 @@ def tokenized_conversations(batch: dict[str, list], tokenizer, max_length: int, 
         out["labels"].append(example.labels)
         out["n_trained"].append(example.n_trained)
         out["length"].append(len(example.input_ids))
-        out["truncated_prompt"].append(example.dropped_rounds > 0)
+        out["truncated_prompt"].append(example.dropped_rounds > 0 or example.cut_context)
         out["truncated_response"].append(example.cut_turn)
         out["drop_reason"].append(reason)
     return out

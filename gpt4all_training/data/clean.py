@@ -14,24 +14,31 @@ against each lower-ranked sibling (`--oasst-preferences`). With `--prompts`, eve
 sample from (objective grpo, data/prompt_records.py): its prompt as text or messages, every other field kept for
 the rewards. Each input unit (a line, an array element, a row) becomes kept records or dropped ones; nothing
 vanishes: `kept + dropped == read` for every file.
+
+Records stream through: each file is read unit by unit and written as it goes. What stays in memory is a 16-byte
+digest per kept record for the exact duplicates (`first_time`), and, with `--near-duplicates`, its MinHash signature
+and index buckets (data/near_duplicates.py): memory grows by bytes per record, not by the records' text.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 from gpt4all_training.data.conversations import (OASST_THREAD_MODES, encodable, normalize_whitespace, oasst_threads,
                                                  openai_messages, prompt_completion_messages, record_tools,
                                                  sharegpt_messages, trained)
+from gpt4all_training.data.near_duplicates import NearDuplicates
 from gpt4all_training.data.preferences import (PAIR_FIELDS, answer_text, is_preference, normalized,
                                                oasst_preferences, preference_record)
 from gpt4all_training.data.prompt_records import prompt_record
-from gpt4all_training.data.raw_files import SUFFIXES, read_units
+from gpt4all_training.data.raw_files import SUFFIXES, Unit, read_units
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_file, atomic_write
 
@@ -204,7 +211,18 @@ def parse_record(obj: dict[str, Any], default_source: str, oasst: str = "paths")
         yield drop
 
 
-def check_record(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> str | None:
+def first_time(key: tuple, seen: set[bytes]) -> bool:
+    """Whether `key` (what two duplicates share) is not yet in `seen`, which then holds it. `seen` keeps a 16-byte
+    digest of each key, not the key: its memory grows by about 80 bytes a record, not by the records' text."""
+    digest = hashlib.blake2b(json.dumps(key, ensure_ascii=False).encode("utf-8", "surrogatepass"),
+                             digest_size=16).digest()
+    if digest in seen:
+        return False
+    seen.add(digest)
+    return True
+
+
+def check_record(record: dict[str, Any], filters: Filters, seen: set[bytes]) -> str | None:
     """The drop reason for a parsed record, or None to keep it."""
     if "messages" in record:
         return check_conversation(record, filters, seen)
@@ -221,13 +239,10 @@ def check_record(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> 
     if filtered:
         return filtered
     key = (normalize_whitespace(prompt), normalize_whitespace(response))
-    if key in seen:
-        return "duplicate"
-    seen.add(key)
-    return None
+    return None if first_time(key, seen) else "duplicate"
 
 
-def check_conversation(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> str | None:
+def check_conversation(record: dict[str, Any], filters: Filters, seen: set[bytes]) -> str | None:
     """The drop reason for a parsed conversation, or None to keep it. The optional filters read the trained assistant
     turns: a turn kept as context only ("train": false) teaches nothing, whatever it says."""
     if not encodable(record["source"]):
@@ -243,23 +258,17 @@ def check_conversation(record: dict[str, Any], filters: Filters, seen: set[tuple
     key = (*((m["role"], normalize_whitespace(m["content"]), json.dumps(m.get("tool_calls")),
               normalize_whitespace(m.get("reasoning_content") or "")) for m in record["messages"]),
            json.dumps(record.get("tools")))
-    if key in seen:
-        return "duplicate"
-    seen.add(key)
-    return None
+    return None if first_time(key, seen) else "duplicate"
 
 
-def check_prompt(record: dict[str, Any], seen: set[tuple]) -> str | None:
+def check_prompt(record: dict[str, Any], seen: set[bytes]) -> str | None:
     """The drop reason for a prompt record (prompt_record's), or None to keep it: two records with the same prompt
     and fields are one prompt twice."""
     if not encodable(record["source"]):
         return "invalid_unicode"
     key = ("prompt", normalized(record["prompt"]),
            json.dumps({k: v for k, v in record.items() if k not in ("prompt", "source")}, sort_keys=True, default=str))
-    if key in seen:
-        return "duplicate"
-    seen.add(key)
-    return None
+    return None if first_time(key, seen) else "duplicate"
 
 
 def filter_reason(response: str, filters: Filters) -> str | None:
@@ -273,7 +282,7 @@ def filter_reason(response: str, filters: Filters) -> str | None:
     return None
 
 
-def check_preference(record: dict[str, Any], filters: Filters, seen: set[tuple]) -> str | None:
+def check_preference(record: dict[str, Any], filters: Filters, seen: set[bytes]) -> str | None:
     """The drop reason for a parsed preference pair, or None to keep it. The optional filters read the chosen answer:
     the rejected one is expected to be poor, and a refusal is often exactly what it is."""
     if not encodable(record["source"]):
@@ -282,10 +291,7 @@ def check_preference(record: dict[str, Any], filters: Filters, seen: set[tuple])
     if filtered:
         return filtered
     key = ("pair", *(normalized(record[name]) for name in PAIR_FIELDS))
-    if key in seen:
-        return "duplicate"
-    seen.add(key)
-    return None
+    return None if first_time(key, seen) else "duplicate"
 
 
 def written_fields(record: dict[str, Any]) -> dict[str, Any]:
@@ -319,26 +325,42 @@ def dataset_row_record(row: dict[str, Any], default_source: str) -> dict[str, An
     return written_fields({**record, "source": record.get("source", default_source)})
 
 
-def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[tuple], oasst: str = "paths",
-               prompts: bool = False) -> FileReport:
+def reject_line(path: Path, unit: Unit, reason: str) -> str:
+    """The line `--rejects` writes for a record dropped from `unit`: the file as given, the unit's line (data/
+    raw_files.py), the reason, and the record read from it, or the unit's text when it holds none."""
+    content = {"record": unit.record} if isinstance(unit.record, dict) else {"text": unit.text}
+    line = {"file": str(path), "line": unit.number, "reason": reason, **content}
+    text = json.dumps(line, ensure_ascii=False)
+    # A lone surrogate (an invalid_unicode record) cannot be written as UTF-8; JSON's escape of it can.
+    return (text if encodable(text) else json.dumps(line)) + "\n"
+
+
+def clean_file(path: Path, out_path: Path, filters: Filters, seen: set[bytes], oasst: str = "paths",
+               prompts: bool = False, rejects: IO[str] | None = None, near: NearDuplicates | None = None
+               ) -> FileReport:
     """Clean one raw file (data/raw_files.py) into `out_path`, written atomically (temp file, fsync, rename); with
-    `prompts`, every record as a prompt record."""
+    `prompts`, every record as a prompt record. Each record dropped is written to `rejects` (reject_line). `near`
+    drops the near-duplicates of records kept before (data/near_duplicates.py)."""
     report = FileReport()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out_path) as tmp, open(tmp, "w", encoding="utf-8") as out:
         for unit in read_units(path):
             report.lines += 1
-            if isinstance(unit, str):
-                items: Any = [Drop(unit)]
+            if isinstance(unit.record, str):
+                items: Any = [Drop(unit.record)]
             else:
-                items = [_kept_or_dropped(prompt_record(unit, path.stem))] if prompts else \
-                    parse_record(unit, path.stem, oasst)
+                items = [_kept_or_dropped(prompt_record(unit.record, path.stem))] if prompts else \
+                    parse_record(unit.record, path.stem, oasst)
             for item in items:
                 report.read += 1
                 reason = item.reason if isinstance(item, Drop) else \
                     check_prompt(item, seen) if prompts else check_record(item, filters, seen)
-                if reason or isinstance(item, Drop):  # a Drop always has its reason
+                if not reason and near is not None and not near.first_of_its_kind(item):
+                    reason = "near_duplicate"
+                if reason:  # a Drop always has its reason
                     report.dropped[reason] += 1
+                    if rejects is not None:
+                        rejects.write(reject_line(path, unit, reason))
                     continue
                 out.write(json.dumps(item, ensure_ascii=False) + "\n" if prompts else record_line(item))
                 report.kept += 1
@@ -365,13 +387,33 @@ def input_files(inputs: list[str]) -> list[Path]:
     return files
 
 
+def refuse_rejects_path(rejects: Path, inputs: list[str], files: list[Path], output_dir: Path) -> None:
+    """A UserError for a --rejects file that is an input, that a later run of the same command would read as one (in
+    an input folder), or that training would read as clean data (a *_clean.jsonl of output_dir)."""
+    target = rejects.resolve()
+    folders = [Path(name).resolve() for name in inputs if Path(name).is_dir()]
+    if target in {file.resolve() for file in files} or (target.parent in folders and target.suffix.lower() in SUFFIXES
+                                                        and target.name != REPORT_FILE):
+        raise UserError(f"--rejects {rejects}: it would be read as an input; write it outside the input folders")
+    if target.parent == output_dir.resolve() and target.name.endswith("_clean.jsonl"):
+        raise UserError(f"--rejects {rejects}: training reads every *_clean.jsonl in {output_dir}; give it another "
+                        f"name, such as rejects.jsonl")
+
+
 def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = None, oasst: str = "paths",
-          oasst_preferences: bool = False, prompts: bool = False) -> dict[str, Any]:
+          oasst_preferences: bool = False, prompts: bool = False, rejects: str | Path | None = None,
+          near_duplicates: float | None = None) -> dict[str, Any]:
     """Clean every input into `output_dir/<name>_clean.jsonl` and write `clean_report.json`. Returns the report.
 
     `oasst`: OpenAssistant trees as every thread ("paths"), the best-ranked thread ("best"), prompt/response
     pairs ("pairs"); or, with `oasst_preferences`, as preference pairs of ranked sibling replies (the report's oasst
-    then says "preferences"). `prompts`: every record as a prompt with its fields (objective grpo)."""
+    then says "preferences"). `prompts`: every record as a prompt with its fields (objective grpo). `rejects`: a
+    JSONL file of every record dropped (reject_line), one line per drop, in the order they were read.
+    `near_duplicates`: drop a record whose text is at least this similar to one kept before it (estimated Jaccard
+    similarity of word 3-grams, data/near_duplicates.py), as `near_duplicate`; None keeps them."""
+    if near_duplicates is not None and not 0 < near_duplicates <= 1:
+        raise UserError(f"--near-duplicates: a similarity above 0 and at most 1 (0.9 drops records that share 90% "
+                        f"of their word 3-grams with one kept before), got {near_duplicates}")
     if oasst not in OASST_MODES:
         raise UserError(f"--oasst: must be one of {', '.join(OASST_MODES)}, got {oasst!r}")
     if prompts and (oasst_preferences or oasst != "paths" or filters is not None and filters != Filters()):
@@ -384,7 +426,7 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
         oasst = OASST_PREFERENCES
     filters = filters or Filters()
     output_dir = Path(output_dir)
-    seen: set[tuple] = set()
+    seen: set[bytes] = set()
     files = input_files(inputs)
     outputs: dict[Path, Path] = {}
     for path in files:
@@ -393,9 +435,21 @@ def clean(inputs: list[str], output_dir: str | Path, filters: Filters | None = N
             raise UserError(f"{path}: would overwrite the output of {outputs[out_path]} ({out_path}); "
                             f"clean files with the same name into separate --output-dir folders")
         outputs[out_path] = path
-    report: dict[str, Any] = {"files": {}, "filters": vars(filters), "oasst": oasst, "prompts": prompts}
-    for out_path, path in outputs.items():
-        report["files"][str(path)] = clean_file(path, out_path, filters, seen, oasst, prompts).to_dict()
+    if rejects is not None:
+        rejects = Path(rejects)
+        refuse_rejects_path(rejects, inputs, files, output_dir)
+    report: dict[str, Any] = {"files": {}, "filters": vars(filters), "oasst": oasst, "prompts": prompts,
+                              "near_duplicates": near_duplicates}
+    near = NearDuplicates(near_duplicates) if near_duplicates is not None else None
+    with ExitStack() as stack:
+        rejected = None
+        if rejects is not None:
+            rejects.parent.mkdir(parents=True, exist_ok=True)
+            rejected = stack.enter_context(open(stack.enter_context(atomic_file(rejects)), "w", encoding="utf-8"))
+            report["rejects"] = str(rejects)
+        for out_path, path in outputs.items():
+            report["files"][str(path)] = clean_file(path, out_path, filters, seen, oasst, prompts,
+                                                    rejected, near).to_dict()
     totals: Counter[str] = Counter()
     for entry in report["files"].values():
         totals.update({key: entry[key] for key in ("lines", "read", "kept")})

@@ -1,6 +1,8 @@
 """The raw files clean.py reads, each as a stream of units: a record (a dict) or the drop reason of a unit that is
-none. A unit is what clean_report.json counts as `lines`: a line of JSON Lines, an element of a JSON array, a row of
-a Parquet or CSV file.
+none, with where the unit is and, for one that holds no record, its text. A unit is what clean_report.json counts as
+`lines`: a line of JSON Lines, an element of a JSON array, a row of a Parquet or CSV file. Where it is, counted from
+1: the line of a JSON Lines file, the line a CSV/TSV row starts on (the header is line 1), the element of a JSON
+array, the row of a Parquet file.
 
 The kind is read from the extension: `.json` is one JSON array of records when it starts with `[`, else JSON Lines;
 `.parquet` is read in batches with pyarrow; `.csv` and `.tsv` have a header row naming the fields and one record per
@@ -14,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -44,17 +47,28 @@ def first_byte(path: Path) -> bytes:
     return head[:1]
 
 
-def read_units(path: Path) -> Iterator[dict[str, Any] | str]:
-    """Every unit of the file in order: a record, or why the unit holds none."""
+@dataclass(frozen=True)
+class Unit:
+    number: int  # where it is (see the module docstring)
+    record: dict[str, Any] | str  # the record, or why the unit holds none
+    text: str = ""  # a unit that holds no record: its text (undecodable bytes as backslash escapes)
+
+
+def read_units(path: Path) -> Iterator[Unit]:
+    """Every unit of the file in order."""
     kind = file_kind(path)
     if kind == "jsonl":
         with open(path, "rb") as f:
-            for raw in f:
-                yield json_line(raw)
+            for number, raw in enumerate(f, start=1):
+                record = json_line(raw)
+                yield Unit(number, record, "" if isinstance(record, dict) else
+                           raw.decode("utf-8", "backslashreplace").rstrip("\r\n"))
     elif kind == "json array":
-        yield from json_array(path)
+        for number, item in enumerate(json_array(path), start=1):
+            yield Unit(number, item if isinstance(item, dict) else "not_an_object",
+                       "" if isinstance(item, dict) else json.dumps(item, ensure_ascii=False))
     elif kind == "parquet":
-        yield from parquet_rows(path)
+        yield from (Unit(number, row) for number, row in enumerate(parquet_rows(path), start=1))
     else:
         yield from csv_rows(path, "\t" if kind == "tsv" else ",")
 
@@ -74,7 +88,7 @@ def json_line(raw: bytes) -> dict[str, Any] | str:
     return obj if isinstance(obj, dict) else "not_an_object"
 
 
-def json_array(path: Path) -> Iterator[dict[str, Any] | str]:
+def json_array(path: Path) -> list[Any]:
     try:
         # The whole array at once: no streaming JSON parser is a dependency, and such files are exports of a size
         # that fits in memory.
@@ -88,11 +102,10 @@ def json_array(path: Path) -> Iterator[dict[str, Any] | str]:
         raise UserError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(items, list):
         raise UserError(f"{path}: a .json file that starts with '[' must be one array of records")
-    for item in items:
-        yield item if isinstance(item, dict) else "not_an_object"
+    return items
 
 
-def parquet_rows(path: Path) -> Iterator[dict[str, Any] | str]:
+def parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -107,25 +120,38 @@ def parquet_rows(path: Path) -> Iterator[dict[str, Any] | str]:
         raise UserError(f"{path}: the Parquet file is damaged ({str(exc).splitlines()[0][:200]})") from None
 
 
-def csv_rows(path: Path, delimiter: str) -> Iterator[dict[str, Any] | str]:
-    """Rows under the header as dicts of text. Undecodable bytes are kept as surrogate escapes, so that the row
-    holding them is dropped as invalid_utf8 and the rows around it are read."""
+def csv_rows(path: Path, delimiter: str) -> Iterator[Unit]:
+    """Rows under the header as dicts of text, each numbered by the line it starts on. Undecodable bytes are kept as
+    surrogate escapes, so that the row holding them is dropped as invalid_utf8 and the rows around it are read."""
     csv.field_size_limit(CSV_FIELD_LIMIT)
     with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
-        reader = csv.reader(f, delimiter=delimiter)
+        lines: list[str] = []  # the lines of the row being read: a quoted field may span several
+
+        def kept_lines() -> Iterator[str]:
+            for line in f:
+                lines.append(line)
+                yield line
+
+        reader = csv.reader(kept_lines(), delimiter=delimiter)
         try:
             header = next(reader, None)
             if header is None:
                 return
+            lines.clear()
+            start = reader.line_num + 1
             for row in reader:
+                text = "".join(lines).rstrip("\r\n").encode("utf-8", "surrogateescape").decode("utf-8",
+                                                                                            "backslashreplace")
+                lines.clear()
                 if not row or not any(value.strip() for value in row):
-                    yield "blank_line"
+                    yield Unit(start, "blank_line", text)
                 elif len(row) != len(header):
-                    yield "wrong_field_count"
+                    yield Unit(start, "wrong_field_count", text)
                 elif not all(encodable(value) for value in row):
-                    yield "invalid_utf8"
+                    yield Unit(start, "invalid_utf8", text)
                 else:
-                    yield dict(zip(header, row))
+                    yield Unit(start, dict(zip(header, row)))
+                start = reader.line_num + 1
         except csv.Error as exc:
             raise UserError(f"{path}:{reader.line_num}: not valid CSV ({exc}); fix the line, or give the file as "
                             f"JSON Lines") from None

@@ -146,6 +146,16 @@ def finetune_records(dataset_path: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield f"{dataset_path} record {number}", record
 
 
+def record_sources(dataset_path: str) -> list[tuple[str, int]]:
+    """(file, number of records) of each local file in the order load_records reads them (datasets skips blank
+    lines, as this count does); [] for a Hub dataset."""
+    sources = []
+    for file in local_data_files(Path(dataset_path).expanduser()) or []:
+        with open(file, "rb") as f:
+            sources.append((file, sum(1 for raw in f if raw.strip())))
+    return sources
+
+
 def record_location(dataset_path: str, index: int) -> str:
     """Where record `index` (load_records' stable index) lies: `file:line` for local data (datasets skips blank lines,
     as this count does), else `record N of PATH`."""

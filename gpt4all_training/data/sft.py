@@ -4,8 +4,10 @@ The boundary is exact at the token level: the prompt and the response are tokeni
 concatenated. Labels follow the Hugging Face convention (the model shifts them): a trained position holds its own
 input id, every other position holds -100. Label 0 is always -100, since nothing predicts the first token.
 
-A dataset with a `messages` column holds conversations: every row (a prompt/response row as one round) is rendered
-with the chat template and labelled by data/chat.py, into the same columns.
+A row with `messages` is a conversation: it is rendered with the chat template and labelled by data/chat.py, into
+the same columns. A record's own shape decides its path, never the other records': a prompt/response row of a
+dataset that also holds conversations (a folder of both kinds of clean files) is tokenised exactly as in a dataset of
+prompt/response rows alone.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -25,7 +27,7 @@ from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.chat import UNRENDERED, require_trainable_chat, tokenized_conversations, unrendered_refusal
 from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
-from gpt4all_training.data.records import load_records, record_location
+from gpt4all_training.data.records import load_records, record_location, record_sources
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_file
 
@@ -41,7 +43,7 @@ class Example:
 
     @property
     def n_trained(self) -> int:
-        return sum(label != IGNORE for label in self.labels)
+        return len(self.labels) - self.labels.count(IGNORE)
 
 
 def build_example(prompt_ids: list[int], response_ids: list[int], eos_id: int, max_length: int,
@@ -145,31 +147,66 @@ def split_records(ds, val_fraction: float, seed: int):
     return parts["train"], parts["test"]
 
 
+def tokenize_by_shape(batch: dict[str, list], tokenizer, max_length: int, template: str, train_turns: str,
+                      train_reasoning: bool) -> dict[str, list]:
+    """A batched `datasets.map` function over a dataset with a `messages` column: each conversation row by the chat
+    template (data/chat.py), each other row as a prompt/response pair by `template` (tokenize_batch), in row
+    order."""
+    conversation = [messages is not None for messages in batch["messages"]]
+    columns = {"prompt": [None] * len(conversation), "response": [None] * len(conversation), **batch}
+    parts = []
+    for is_conversation in (True, False):
+        rows = [i for i, flag in enumerate(conversation) if flag == is_conversation]
+        if not rows:
+            continue
+        sub = {name: [values[i] for i in rows] for name, values in columns.items()}
+        out = tokenized_conversations(sub, tokenizer, max_length, train_turns, train_reasoning) if is_conversation \
+            else tokenize_batch(sub, tokenizer, max_length, template)
+        parts.append((rows, out))
+    merged: dict[str, list] = {}
+    for rows, out in parts:
+        for name, values in out.items():
+            column = merged.setdefault(name, [None] * len(conversation))
+            for i, value in zip(rows, values):
+                column[i] = value
+    return merged
+
+
 def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: int | None, train_turns: str = "all",
                      train_reasoning: bool = True):
-    """`ds` with the tokenized columns: prompt/response rows by `template`, or, when it has `messages`, every row
-    by the chat template with `train_turns` ("all" or "last") of each conversation trained, and their reasoning
-    trained or (`train_reasoning` False) kept as context."""
+    """`ds` with the tokenized columns: prompt/response rows by `template`, rows with `messages` by the chat
+    template with `train_turns` ("all" or "last") of each conversation trained, and their reasoning trained or
+    (`train_reasoning` False) kept as context."""
     import datasets
 
     features = tokenized_features(ds.features)
     if len(ds) == 0:
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
-    if "messages" in ds.column_names:
-        require_trainable_chat(tokenizer, template, "conversations")
-        return ds.map(tokenized_conversations, batched=True, batch_size=256, num_proc=num_proc, features=features,
-                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "train_turns": train_turns,
-                                 "train_reasoning": train_reasoning},
-                      desc="tokenizing conversations")
-    return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc, features=features,
-                  fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template},
+    if "messages" not in ds.column_names:
+        return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc, features=features,
+                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template},
+                      desc="tokenizing")
+    require_trainable_chat(tokenizer, template, "conversations")
+    return ds.map(tokenize_by_shape, batched=True, batch_size=256, num_proc=num_proc, features=features,
+                  fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template,
+                             "train_turns": train_turns, "train_reasoning": train_reasoning},
                   desc="tokenizing")
 
 
 def effective_num_proc(config: Examples, n_rows: int) -> int | None:
+    """The worker processes datasets.map gets: None (this process) for small data, whose worker start-up costs more
+    than it saves, and for one process, which datasets would otherwise run in a pool of one."""
     if config.streaming or n_rows < 2000:
-        return None  # worker start-up costs more than it saves on small data
-    return max(1, min(config.num_proc, os.cpu_count() or 1))
+        return None
+    processes = max(1, min(config.num_proc, os.cpu_count() or 1))
+    return processes if processes > 1 else None
+
+
+def column_arrays(ds, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """`ds`'s columns `names` as numpy arrays, read from its Arrow table in one piece (row order and any selection
+    of rows kept): a column read row by row costs seconds per hundred thousand rows."""
+    table = ds.select_columns(list(names)).with_format("arrow")[:]
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in names}
 
 
 @dataclass
@@ -181,10 +218,11 @@ class DataStats:
     lengths: dict[str, float]
     trained_fraction: float
     noun: str = "examples"  # what `count` counts: examples, or preference pairs (whose lengths are both answers')
+    dropped_by_file: dict[str, dict[str, int]] = field(default_factory=dict)  # {file name: {reason: count}}
 
     def describe(self, name: str) -> str:
         lens = self.lengths
-        dropped = ", ".join(f"{k} {v}" for k, v in self.dropped.items()) or "none"
+        dropped = ", ".join(f"{k} {v}{self.files_dropping(k)}" for k, v in self.dropped.items()) or "none"
         if not self.count:
             return f"{name}: 0 {self.noun}; dropped {dropped}"
         return (f"{name}: {self.count} {self.noun}; tokens min {lens['min']:.0f} median {lens['median']:.0f} "
@@ -192,24 +230,42 @@ class DataStats:
                 f"{self.truncated_response} responses (no EOS); dropped {dropped}; "
                 f"trained-token fraction {self.trained_fraction:.3f}")
 
+    def files_dropping(self, reason: str) -> str:
+        """" (a_clean.jsonl 2, b_clean.jsonl 1)": how many rows each file lost for `reason`, or "" when not known."""
+        counts = [f"{name} {reasons[reason]}" for name, reasons in self.dropped_by_file.items() if reason in reasons]
+        return f" ({', '.join(counts)})" if counts else ""
 
-def finish_split(tokenized, noun: str = "examples") -> tuple[Any, DataStats]:
-    """Drop (and count) unusable rows; compute the statistics of what is kept (`noun` is what a row is)."""
-    reasons = np.asarray(tokenized["drop_reason"], dtype=object)
+
+def finish_split(tokenized, noun: str = "examples", sources: Sequence[tuple[str, int]] = ()) -> tuple[Any, DataStats]:
+    """Drop (and count) unusable rows; compute the statistics of what is kept (`noun` is what a row is). `sources`
+    (records.record_sources') attribute each dropped row to its file by its `index`."""
+    columns = column_arrays(tokenized, ["drop_reason", "length", "n_trained", "truncated_prompt",
+                                        "truncated_response", *(["index"] if sources else [])])
+    reasons = columns["drop_reason"]
+    dropped_rows = np.flatnonzero(reasons != "")
     dropped: dict[str, int] = {}
-    for reason in reasons[reasons != ""]:
+    for reason in reasons[dropped_rows]:
         dropped[reason] = dropped.get(reason, 0) + 1
-    kept = tokenized.filter(lambda r: [not x for x in r], input_columns=["drop_reason"], batched=True)
-    lengths = np.asarray(kept["length"]) if len(kept) else np.zeros(1)
-    trained = int(np.sum(kept["n_trained"])) if len(kept) else 0
+    dropped_by_file: dict[str, dict[str, int]] = {}
+    if sources and dropped:
+        ends = np.cumsum([count for _, count in sources])
+        for index, reason in zip(columns["index"][dropped_rows], reasons[dropped_rows]):
+            name = Path(sources[int(np.searchsorted(ends, index, side="right"))][0]).name
+            counts = dropped_by_file.setdefault(name, {})
+            counts[reason] = counts.get(reason, 0) + 1
+    kept_rows = np.flatnonzero(reasons == "")
+    kept = tokenized.select(kept_rows) if len(dropped_rows) else tokenized
+    lengths = columns["length"][kept_rows] if len(kept_rows) else np.zeros(1)
+    trained = int(np.sum(columns["n_trained"][kept_rows]))
     stats = DataStats(
         count=len(kept), dropped=dropped,
-        truncated_prompt=int(np.sum(kept["truncated_prompt"])) if len(kept) else 0,
-        truncated_response=int(np.sum(kept["truncated_response"])) if len(kept) else 0,
+        truncated_prompt=int(np.sum(columns["truncated_prompt"][kept_rows])),
+        truncated_response=int(np.sum(columns["truncated_response"][kept_rows])),
         lengths={"min": float(lengths.min()), "median": float(np.median(lengths)),
                  "p95": float(np.percentile(lengths, 95)), "max": float(lengths.max()),
                  "mean": float(lengths.mean())},
         trained_fraction=trained / max(1, int(lengths.sum())) if len(kept) else 0.0, noun=noun,
+        dropped_by_file=dict(sorted(dropped_by_file.items())),
     )
     return kept, stats
 
@@ -220,11 +276,12 @@ def refuse_unrendered(splits, dataset_path: str) -> None:
     found: Counter = Counter()
     first: dict[str, int] = {}
     for split in splits:
-        for reason, index in zip(split["drop_reason"], split["index"]):
-            if reason.startswith(UNRENDERED):
-                part = reason.removeprefix(UNRENDERED)
-                found[part] += 1
-                first[part] = min(first.get(part, index), index)
+        columns = column_arrays(split, ["drop_reason", "index"])
+        where = [i for i, reason in enumerate(columns["drop_reason"]) if reason.startswith(UNRENDERED)]
+        for reason, index in zip(columns["drop_reason"][where], columns["index"][where]):
+            part = reason.removeprefix(UNRENDERED)
+            found[part] += 1
+            first[part] = min(first.get(part, int(index)), int(index))
     if found:
         part, count = found.most_common(1)[0]
         raise UserError(unrendered_refusal(part, count, record_location(dataset_path, first[part])))
@@ -239,13 +296,14 @@ def load_data(config: TrainConfig, tokenizer, records=None):
         raise UserError(f"dataset_path {config.dataset_path}: no records")
     train_raw, val_raw = split_records(records, config.val_fraction, config.seed)
     template = resolve_template(config.prompt_template, tokenizer)
-    num_proc = effective_num_proc(config, len(records))
     splits, stats = [], []
-    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template, num_proc, config.train_turns,
+    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template,
+                                         effective_num_proc(config, len(raw)), config.train_turns,
                                          config.train_reasoning) for raw in (train_raw, val_raw)]
     refuse_unrendered(tokenized_splits, config.dataset_path)
+    sources = record_sources(config.dataset_path)
     for tokenized in tokenized_splits:
-        kept, split_stats = finish_split(tokenized)
+        kept, split_stats = finish_split(tokenized, sources=sources)
         splits.append(kept)
         stats.append(split_stats)
     if len(splits[0]) == 0:

@@ -32,15 +32,17 @@ IGNORE = -100
 #   per-step loss, absolute                6.6e-7                    4.8e-3         LOSS_ATOL 1e-5
 #   gradient norm, relative                4.6e-6 (offload)          3.9e-2         GRAD_NORM_RTOL 1e-4
 #   full weights, ||w - w_ref|| / ||w_ref - w_init||, worst tensor
-#                                          1.6e-4 (ZeRO-3)           6.0e-2         UPDATE_RTOL 1e-3
-#   LoRA adapters, max |w - w_ref|         1.2e-5 (offload)          4.0e-2         WEIGHT_ATOL 1e-4
+#                                          1.1e-3 (QLoRA)            6.0e-2         UPDATE_RTOL 2e-3
+#   LoRA adapters, max |w - w_ref|         2.7e-4 (every launcher)   4.0e-2         WEIGHT_ATOL 1e-3
 # Full weights are compared relative to how far training moved them, not with one absolute bound: an embedding row
 # whose gradient is a near-cancelling sum is divided by that sum's magnitude in Adam, so summation order alone moves
-# such a row by up to 1.6e-4 (5 rows of 1000 under ZeRO-3) while every other tensor agrees within 7.4e-6.
+# such a row by up to 1.6e-4 (5 rows of 1000 under ZeRO-3) while every other tensor agrees within 7.4e-6. The LoRA
+# bound has the same cause: one element of one lora_A, whose gradient nearly cancels, moves by 2.7e-4 under every
+# 2-process launcher (DDP, ZeRO-2 offload, ZeRO-3, FSDP2) alike, a batch of 4 in one process against 2 x 2.
 LOSS_ATOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
-UPDATE_RTOL = 1e-3
-WEIGHT_ATOL = 1e-4
+UPDATE_RTOL = 2e-3
+WEIGHT_ATOL = 1e-3
 # final/ reloaded against the validation loss the in-memory model measured at the last step: the same weights,
 # batched differently, agree within 1.2e-7.
 VAL_LOSS_ATOL = 1e-5
