@@ -18,7 +18,8 @@ warmup), clipping and precision. The rows differ only in what they are named for
                padding-free) and gradient checkpointing off: the row to beat.
   extra rows   trl-nogc (TRL with gradient checkpointing off), ours-grouped (group_by_length: true),
                ours-packed-compile (packing + compile: true), and with activation checkpointing on for both:
-               ours-packed-gc (packing + gradient_checkpointing: true), trl-packed-gc.
+               ours-packed-gc (packing + gradient_checkpointing: true), trl-packed-gc, ours-packed-peft-lora
+               (packing, the LoRA adapter computed by PEFT's own layers instead of model/lora.py's fused one).
   plain        a plain transformers (+ PEFT for LoRA) loop, the floor of what a step costs: dense rows of the same
                data (every position trained), the model's own full-vocabulary loss, torch AdamW, the same precision,
                clipping and lr, nothing else. Its tokens per step equal ours' on average; compare real tok/s.
@@ -49,7 +50,7 @@ import harness  # noqa: E402
 from step_profile import StepProfile, shares_table  # noqa: E402
 
 REQUIRED = ["gpt4all", "ours", "ours-packed", "trl", "trl-packed"]
-EXTRA = ["ours-packed-rows", "trl-nogc", "ours-grouped", "ours-packed-compile", "ours-packed-gc", "trl-packed-gc", "plain"]
+EXTRA = ["ours-packed-rows", "ours-packed-peft-lora", "trl-nogc", "ours-grouped", "ours-packed-compile", "ours-packed-gc", "trl-packed-gc", "plain"]
 LABELS = {
     "gpt4all": "gpt4all-style (pad to max_length)", "ours": "ours (default)", "ours-packed": "ours + packing",
     "ours-packed-rows": "ours + packing in masked rows",
@@ -57,8 +58,10 @@ LABELS = {
     "trl-packed": "TRL + packing, grad. checkpointing off", "ours-grouped": "ours + group_by_length",
     "ours-packed-compile": "ours + packing + compile", "ours-packed-gc": "ours + packing + grad. checkpointing",
     "trl-packed-gc": "TRL + packing + grad. checkpointing", "plain": "plain transformers (+ PEFT) step",
+    "ours-packed-peft-lora": "ours + packing, PEFT's own LoRA layers",
 }
 OURS_EXTRA = {"ours": [], "ours-packed": ["packing=true"], "ours-packed-rows": ["packing=true"],
+              "ours-packed-peft-lora": ["packing=true"],
               "ours-grouped": ["group_by_length=true"], "ours-packed-compile": ["packing=true", "compile=true"], "gpt4all": [],
               "ours-packed-gc": ["packing=true", "gradient_checkpointing=true"]}
 # SFTConfig settings of each TRL row besides the shared ones (gradient checkpointing is on in SFTConfig's defaults).
@@ -152,6 +155,11 @@ def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfil
     if variant == "ours-packed-rows":  # the layout a GPU backend asks for, on this CPU
         from gpt4all_training.backends.backend import Backend
         Backend.attends_per_example = property(lambda self: False)  # type: ignore[method-assign,assignment]
+    if variant == "ours-packed-peft-lora":  # the adapter's forward and backward as PEFT computes them
+        from peft.tuners.lora import Linear as PeftLoraLinear
+
+        from gpt4all_training.model.lora import FusedLoraLinear
+        FusedLoraLinear.forward = PeftLoraLinear.forward  # type: ignore[method-assign]
     if variant == "gpt4all":  # the sft objective's tokenization and batches, replaced by theirs
         sft_objective.load_data = gpt4all_load_data
         sft_objective.batch_fetcher = lambda packing, max_length, one_row=False: gpt4all_fetch
