@@ -101,8 +101,9 @@ def test_map_renders_every_point_and_the_cluster_table(browser, single_map):
     assert header == "cluster,label,size,mean_loss,median_loss,mean_n_tokens,top_source,train,val"
     assert [row[0] for row in rows] == [line.split(",")[0] for line in lines]
     assert sum(int(row[2]) for row in rows) == 619
+    # then every numeric column: n_tokens, and the outlier score inference writes by default
     assert browser.evaluate("[...document.getElementById('color-by').options].map(o => o.value)") == \
-        ["loss", "cluster", "source", "split"]
+        ["loss", "cluster", "source", "split", "n_tokens", "outlier"]
     # Points are drawn bigger than the old 2-3 px squares when there are few of them.
     assert browser.evaluate("pointSize(frame())") >= 6
     assert browser.errors == []
@@ -265,6 +266,64 @@ def test_lasso_and_cluster_selections_round_trip_into_curate(browser, single_map
     assert json.loads(copied.read_text())["ids"] == members
     included = curate(runs[0], tmp_path / "included", CurateOptions(include_ids=str(copied)))
     assert included["kept"] == len(members) and included["dropped"] == {"not_included": 619 - len(members)}
+    assert browser.errors == []
+
+
+# ---------------------------------------------------------------- colour by any score
+
+@pytest.fixture
+def scored_run(tmp_path) -> Path:
+    """60 points with inference's scores: ifd (missing on one), a loss change of both signs, the checker's agreement
+    and answer, and a boolean record field."""
+    rng = np.random.default_rng(0)
+    ifd = np.linspace(0.5, 1.1, 60)
+    ifd[7] = np.nan
+    return write_inference_run(tmp_path / "run", rng.standard_normal((60, 8)).astype(np.float32),
+                               rng.gamma(2.0, 1.0, 60), [f"prompt {i}" for i in range(60)], ifd=ifd,
+                               loss_change=np.linspace(-2.0, 1.0, 60), agreement=(np.arange(60) % 3 == 0) * 1.0,
+                               model_answer=[f"answer {i}" for i in range(60)], planted=[i % 10 == 0 for i in range(60)])
+
+
+def test_every_numeric_column_is_a_colour_scale(scored_run, tmp_path):
+    result = build_map(scored_run, tmp_path / "map.html", layout="pca", n_clusters=3, color="ifd")
+    data = page_data(result.html)
+    assert list(data["scales"]) == ["loss", "n_tokens", "ifd", "loss_change", "agreement", "planted"]
+    assert data["color"] == "ifd" and data["scales"]["ifd"]["title"] == "ifd"
+    ifd = data["scales"]["ifd"]["code"]
+    assert ifd[7] == BINS and ifd[0] == 0 and ifd[59] == BINS - 1  # missing, lowest, highest
+    assert ifd == sorted(ifd[:7]) + [BINS] + sorted(ifd[8:])  # a ramp in the order of the values
+    # Values of both signs: the diverging scale, 0 in its middle.
+    change = np.linspace(-2.0, 1.0, 60)
+    codes = np.asarray(data["scales"]["loss_change"]["code"])
+    assert (codes[change < -0.1] < BINS // 2).all() and (codes[change > 0.1] >= BINS // 2).all()
+    assert data["values"]["ifd"][7] is None and data["values"]["ifd"][0] == 0.5
+    assert data["values"]["planted"][:11] == [1.0] + [0.0] * 9 + [1.0]
+    assert data["model_answer"][3] == "answer 3"
+    # The PNG is drawn in the colour the page opens with: ifd's ramp, not the loss's.
+    expected = page_data(build_map(scored_run, tmp_path / "loss.html", layout="pca", n_clusters=3).html)
+    assert expected["color"] == "loss"
+    assert not np.array_equal(np.asarray(Image.open(result.png)), np.asarray(Image.open(tmp_path / "loss.png")))
+    with pytest.raises(UserError, match=r"^--color nope: .* has no numeric column 'nope'; it has loss, n_tokens, "
+                                        r"ifd, loss_change, agreement, planted$"):
+        build_map(scored_run, tmp_path / "x.html", layout="pca", color="nope")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_page_colours_by_a_score_and_shows_it_on_hover(browser, scored_run, tmp_path):
+    result = build_map(scored_run, tmp_path / "map.html", layout="pca", n_clusters=3, color="agreement")
+    browser.open(result.html, fragment="#point=train:3")
+    assert browser.evaluate("document.getElementById('color-by').value") == "agreement"
+    assert browser.evaluate("[...document.getElementById('color-by').options].map(o => o.value)") == \
+        ["loss", "cluster", "source", "split", "n_tokens", "ifd", "loss_change", "agreement", "planted"]
+    assert browser.evaluate("document.querySelector('#legend .legend-title').textContent") == "agreement"
+    card = text(browser, "tip")
+    assert "\nifd 0.5305  loss_change -1.8475  agreement 1.0000  planted 0.0000\ncluster " in card
+    assert card.endswith("\nresponse: response 3\nmodel's answer: answer 3")
+    browser.evaluate("(() => { const s = document.getElementById('color-by'); s.value = 'loss_change'; "
+                     "s.dispatchEvent(new Event('change')); })()")
+    assert browser.evaluate("document.querySelector('#legend .legend-title').textContent") == "loss_change"
+    assert text(browser, "rendered-count") == "60"
     assert browser.errors == []
 
 

@@ -236,3 +236,102 @@ def test_cli_prints_the_counts(small_run, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("read 40, kept 30, dropped 10 (high_loss 10)\n")
     assert f"wrote {tmp_path / 'out' / 'curated_clean.jsonl'}" in out
+
+
+# ---------------------------------------------------------------- rules on scores, against known-bad records
+
+# Ten records, hand-labelled: rows 2, 5 and 8 are the known-bad ones. ifd is missing (NaN) on row 3.
+IFD = [0.1, 0.2, 0.3, np.nan, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+AGREEMENT = [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+LOSS = [1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0]
+PLANTED = [False, False, True, False, False, True, False, False, True, False]
+
+
+@pytest.fixture
+def scored_run(tmp_path) -> Path:
+    rng = np.random.default_rng(2)
+    return write_inference_run(tmp_path / "run", rng.standard_normal((10, 4)).astype(np.float32), np.array(LOSS),
+                               [f"prompt {i}" for i in range(10)], ifd=np.array(IFD), agreement=np.array(AGREEMENT),
+                               planted=PLANTED)
+
+
+def test_drop_rules_report_what_each_dropped_and_its_precision_and_recall(scored_run, tmp_path):
+    # ifd's 0.8 quantile over its 9 values 0.1 .. 1.0 without 0.4: 0.8 + 0.4 * (0.9 - 0.8) = 0.84 -> rows 8 and 9.
+    # agreement < 1 with loss > 2: row 5 only. ifd >= 0.9 finds rows 8 and 9 again, which the first rule dropped.
+    rules = ["ifd>q0.8", "agreement < 1 & loss > 2", "ifd>=0.9"]
+    report = curate(scored_run, tmp_path / "out", CurateOptions(drop=rules, label_column="planted"))
+    assert report["read"] == 10 and report["kept"] == 7
+    assert report["dropped"] == {"ifd>q0.8": 2, "agreement<1&loss>2": 1}
+    first, second, third = report["rules"]["drop"]
+    assert first["conditions"][0]["threshold"] == pytest.approx(0.84, abs=1e-6)
+    assert first == {"rule": "ifd>q0.8", "conditions": [{"column": "ifd", "op": ">", "quantile": 0.8,
+                                                         "threshold": first["conditions"][0]["threshold"]}],
+                     "matched": 2, "dropped": 2}
+    assert second == {"rule": "agreement<1&loss>2",
+                      "conditions": [{"column": "agreement", "op": "<", "threshold": 1.0},
+                                     {"column": "loss", "op": ">", "threshold": 2.0}], "matched": 1, "dropped": 1}
+    assert (third["matched"], third["dropped"]) == (2, 0)
+    # Dropped {5, 8, 9}, known bad {2, 5, 8}: 2 of 3 dropped are bad, 2 of 3 bad were dropped.
+    assert report["label"] == {
+        "from": "column planted", "bad": 3, "dropped": 3, "dropped_bad": 2, "precision": 0.6667, "recall": 0.6667,
+        "by_rule": {"ifd>q0.8": {"matched": 2, "matched_bad": 1, "precision": 0.5, "recall": 0.3333},
+                    "agreement<1&loss>2": {"matched": 1, "matched_bad": 1, "precision": 1.0, "recall": 0.3333},
+                    "ifd>=0.9": {"matched": 2, "matched_bad": 1, "precision": 0.5, "recall": 0.3333}}}
+    assert removed(tmp_path / "out") == [
+        {"index": 5, "split": "train", "reason": "agreement<1&loss>2", "loss": 3.0, "ifd": 0.6, "agreement": 0.0,
+         "bad": True, "prompt": "prompt 5"},
+        {"index": 8, "split": "train", "reason": "ifd>q0.8", "loss": 1.0, "ifd": 0.9, "agreement": 1.0,
+         "bad": True, "prompt": "prompt 8"},
+        {"index": 9, "split": "train", "reason": "ifd>q0.8", "loss": 1.0, "ifd": 1.0, "agreement": 0.0,
+         "bad": False, "prompt": "prompt 9"}]
+    # The label is no field of a record: the curated dataset holds clean.py's fields only.
+    assert all(list(r) == ["source", "prompt", "response"] for r in read_jsonl(tmp_path / "out" / "curated_clean.jsonl"))
+
+
+def test_known_bad_ids_score_the_loss_and_id_rules_too(scored_run, tmp_path):
+    ids = tmp_path / "bad.json"
+    ids.write_text('{"ids": [2, 5, 8]}')
+    excluded = tmp_path / "excluded.txt"
+    excluded.write_text("2\n")
+    report = curate(scored_run, tmp_path / "out", CurateOptions(loss_above=0.9, exclude_ids=str(excluded),
+                                                                label_ids=str(ids)))
+    assert report["dropped"] == {"excluded": 1, "high_loss": 1}  # row 2, then row 5 (loss 3 above the 0.9 quantile)
+    assert report["label"] == {
+        "from": f"ids {ids}", "bad": 3, "dropped": 2, "dropped_bad": 2, "precision": 1.0, "recall": 0.6667,
+        "by_rule": {"excluded": {"matched": 1, "matched_bad": 1, "precision": 1.0, "recall": 0.3333},
+                    "high_loss": {"matched": 1, "matched_bad": 1, "precision": 1.0, "recall": 0.3333}}}
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"drop": ["ifd>>1"]}, "--drop 'ifd>>1': 'ifd>>1' is not COLUMN OP VALUE; write e.g. 'ifd>q0.9'"),
+    ({"drop": ["ifd>q1.5"]}, "--drop 'ifd>q1.5': q1.5 is not a quantile; give one between 0 and 1"),
+    ({"drop": ["ifd>q0.9", "ifd > q0.9"]}, "--drop 'ifd>q0.9': given twice"),
+    ({"drop": ["base_loss>1"]}, "has no numeric column 'base_loss'; run inference with base_model to write it"),
+    ({"drop": ["colour>1"]}, "has no numeric column 'colour'; it has loss, n_tokens, ifd, agreement, planted"),
+    ({"drop": ["ifd>1"], "label_column": "source"}, "--label-column source: holds string; give a column of "
+                                                    "true/false"),
+    ({"drop": ["ifd>1"], "label_column": "bad"}, "--label-column bad: .* has no such column"),
+    ({"drop": ["ifd>1"], "label_column": "planted", "label_ids": "x"}, "--label-column and --label-ids both"),
+])
+def test_rule_mistakes_are_one_line_errors(scored_run, tmp_path, options, message):
+    with pytest.raises(UserError, match=message) as error:
+        curate(scored_run, tmp_path / "out", CurateOptions(**options))
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "out" / "curated_clean.jsonl").exists()
+
+
+def test_cli_prints_each_rule_and_the_precision_and_recall(scored_run, tmp_path, capsys):
+    from gpt4all_training.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["curate", "--input", str(scored_run), "--output", str(tmp_path / "out"), "--drop", "ifd>q0.8",
+              "--drop", "agreement<1&loss>2", "--label-column", "planted"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:6] == [
+        "read 10, kept 7, dropped 3 (ifd>q0.8 2, agreement<1&loss>2 1)",
+        "ifd>q0.8: ifd > 0.84; matched 2, dropped 2",
+        "agreement<1&loss>2: agreement < 1, loss > 2; matched 1, dropped 1",
+        "known bad (column planted): 3; dropped 2 of them (precision 0.667, recall 0.667)",
+        "  ifd>q0.8 on its own: matched 2, precision 0.500, recall 0.333",
+        "  agreement<1&loss>2 on its own: matched 1, precision 1.000, recall 0.333"]

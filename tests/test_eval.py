@@ -26,7 +26,8 @@ from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.evaluation.train_tasks import check_eval_tasks
 from gpt4all_training.evaluation.harness import EvalSettings, evaluate, load_tasks, task_manager_for
-from gpt4all_training.evaluation.results import comparison_table, scores, tracker_metrics
+from gpt4all_training.intervals import Comparison
+from gpt4all_training.evaluation.results import comparison_rows, comparison_table, scores, tracker_metrics
 from gpt4all_training.model.loading import load_model, load_tokenizer
 from gpt4all_training.model.trained import describe, resolve
 
@@ -123,6 +124,13 @@ def test_eval_gives_the_harness_commands_scores(runs):
     assert run["seeds"] == {"python": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}
     assert run["chat_template"] is None and run["versions"]["lm_eval"] == "0.4.13"
     assert "gpt4all_arithmetic_choice" in runs["ours"][1] and "acc_norm" in runs["ours"][1]  # the table
+    # Each example's value of every score that is a mean over examples (perplexity is not), which they average to.
+    for task, metrics in ours["per_example"].items():
+        for key, values in metrics.items():
+            assert len(values) == LIMIT and sum(values.values()) / LIMIT == pytest.approx(ours["results"][task][key])
+    assert ours["per_example"].keys() == ours["results"].keys()
+    assert sorted(ours["per_example"]["gpt4all_last_word"]) == ["acc,none"]
+    assert "95% intervals" in runs["ours"][1] and "score [95% interval]" in runs["ours"][1]
 
 
 @pytest.mark.integration
@@ -195,6 +203,9 @@ def test_an_adapter_scores_as_its_merged_model(adapter_and_merged, tiny_model_di
         for key, value in metrics.items():
             assert math.isclose(value, scores(as_merged)[task][key], rel_tol=1e-5), key
     assert over_base["run"]["model"]["weights"]["adapter_of"]["path"] == str(tiny_model_dir)
+    # The same scores on the same examples: paired, they differ by nothing.
+    [row] = [row for row in comparison_rows(over_base, as_merged) if row["metric"] == "acc,none"]
+    assert row["paired"] == Comparison(0.0, 0.0, 0.0, 4, "no measurable difference")
 
 
 @pytest.mark.slow
@@ -246,8 +257,9 @@ def test_comparison_and_tracker_keys():
     before = {"results": {"t": {"alias": "t", "acc,none": 0.25, "acc_stderr,none": 0.1, "exact_match,strip": 0.5}}}
     after = {"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1, "exact_match,strip": 0.5},
                          "u": {"acc,none": 1.0}}}
-    table = comparison_table(before, after).splitlines()
-    assert table[0].split() == ["task", "metric", "before", "after", "difference"]
+    table = comparison_table(before, after).splitlines()  # no per-example values: the bare difference
+    assert table[0].split() == ["task", "metric", "before", "[95%", "interval]", "after", "[95%", "interval]",
+                                "difference", "[95%", "interval]:", "verdict"]
     assert table[2].split() == ["t", "acc", "none", "0.2500", "0.5000", "+0.2500"]
     assert table[4].split() == ["u", "acc", "none", "-", "1.0000", "-"]
     assert tracker_metrics(after) == {"harness/t/acc": 0.5, "harness/t/exact_match/strip": 0.5, "harness/u/acc": 1.0}

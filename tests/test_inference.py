@@ -45,9 +45,16 @@ def inference_config(model_dir, data_dir, output_dir, **overrides) -> InferenceC
     return validate(InferenceConfig(**values))
 
 
+# The scores that need more passes (the response alone, a proxy model, a greedy decode), sharded like the loss. The
+# proxy is the scored model itself, so its IFD must be the model's own.
+def score_overrides(model_dir) -> dict:
+    return dict(ifd=True, ifd_model=str(model_dir), checker={"name": "exact_match"}, checker_max_new_tokens=4)
+
+
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dir, clean_dolly, tmp_path_factory):
-    config = inference_config(tiny_model_dir, clean_dolly, tmp_path_factory.mktemp("inference-1"))
+    config = inference_config(tiny_model_dir, clean_dolly, tmp_path_factory.mktemp("inference-1"),
+                              **score_overrides(tiny_model_dir))
     path = run_inference(config)
     return config, path
 
@@ -59,7 +66,8 @@ def two_processes(tiny_model_dir, clean_dolly, tmp_path_factory):
     result = subprocess.run(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(REPO / "inference.py"),
          f"model_name={tiny_model_dir}", f"dataset_path={clean_dolly}", f"output_dir={output_dir}",
-         "max_length=128", "val_fraction=0.1", "batch_size=8", "num_proc=1"],
+         "max_length=128", "val_fraction=0.1", "batch_size=8", "num_proc=1",
+         *(f"{key}={json.dumps(value)}" for key, value in score_overrides(tiny_model_dir).items())],
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     return output_dir / "inference.parquet", result.stdout
@@ -74,9 +82,11 @@ def test_two_processes_give_the_rows_of_one(one_process, two_processes):
     rows_2, emb_2 = read_run(path_2)
     assert "619 examples" in stdout and "on 2 process(es)" in stdout
     assert len(rows_1["index"]) == 619  # every Dolly record once: none dropped, none repeated
-    for column in ("split", "index", "n_tokens", "prompt", "response", "source"):
+    for column in ("split", "index", "n_tokens", "prompt", "response", "source", "model_answer", "agreement"):
         assert rows_1[column] == rows_2[column], column
-    np.testing.assert_allclose(rows_1["loss"], rows_2["loss"], rtol=0, atol=TOLERANCE)
+    for column in ("loss", "response_loss", "ifd", "proxy_ifd", "outlier"):
+        np.testing.assert_allclose(rows_1[column], rows_2[column], rtol=0, atol=TOLERANCE, err_msg=column)
+    np.testing.assert_allclose(rows_1["proxy_ifd"], rows_1["ifd"], rtol=0, atol=TOLERANCE)
     np.testing.assert_allclose(emb_1, emb_2, rtol=0, atol=TOLERANCE)
     assert emb_1.dtype == np.float32 and emb_1.shape == (619, 64)
 

@@ -11,6 +11,10 @@ Per example:
   which made long prompts look easy.
 - `n_tokens`: how many positions that mean is over.
 - `embedding`: the final hidden state at the last real token (`pooling: last`) or its mask-aware mean.
+- the scores the config asks for (analysis/scores.py says what each one is): `response_loss` and `ifd` (`ifd:
+  true`), `base_loss` and `loss_change` (`base_model`), `proxy_ifd` (`ifd_model`), `model_answer` and `agreement`
+  (`checker`), `outlier` (`outliers: true`, the default). Each model scores the rank's share in its own pass, one
+  model in memory at a time: model_name, then base_model, then ifd_model.
 
 A conversation (a record with `messages`) is scored as training labelled it: `loss` is the mean over the tokens of
 its trained assistant turns (every one, or the last with `train_turns: last`), and `embedding` pools over the whole
@@ -27,31 +31,37 @@ agree across batchings (and so across world sizes) up to float rounding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
+from gpt4all_training.analysis.scores import (answer_agreement, load_checker, outlier_scores, ratio, response_only,
+                                              start_token)
 from gpt4all_training.backends.accelerate import build_backend
 from gpt4all_training.config.schemas import InferenceConfig
 from gpt4all_training.config.secrets import redact
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.data.batching import collate
-from gpt4all_training.data.chat import with_conversation_text
+from gpt4all_training.data.chat import end_of_turn_id, with_conversation_text
 from gpt4all_training.data.prompts import resolve_template
 from gpt4all_training.data.records import load_records
 from gpt4all_training.data.sft import (effective_num_proc, finish_split, refuse_unrendered, split_records,
                                        tokenize_dataset)
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_file, atomic_write, make_own_folder, remove_own_folder
-from gpt4all_training.model.loading import check_positions, load_model, model_config, tokenizer_for
+from gpt4all_training.model.chat_templates import apply_chat_template_option
+from gpt4all_training.model.decoding import eos_token_ids
+from gpt4all_training.model.loading import check_positions, load_model, load_tokenizer, model_config, tokenizer_for
 from gpt4all_training.model.trained import training_run_config
 from gpt4all_training.paths import require_dataset
 from gpt4all_training.training.loop import require_writable
@@ -64,6 +74,13 @@ SUMMARY_FILE = "inference.json"
 TOKEN_COLUMNS = ("input_ids", "labels", "n_trained", "length", "truncated_prompt", "truncated_response",
                  "drop_reason")
 RESULT_COLUMNS = ("split", "loss", "n_tokens", "embedding")
+# The optional scores, in the order they are written, each with the config key that asks for it.
+SCORE_COLUMNS = {"response_loss": "ifd: true", "ifd": "ifd: true", "base_loss": "base_model",
+                 "loss_change": "base_model", "proxy_ifd": "ifd_model", "model_answer": "checker",
+                 "agreement": "checker", "outlier": "outliers: true"}
+# Every column inference adds to a record's fields.
+OUTPUT_COLUMNS = ("index", *RESULT_COLUMNS, *SCORE_COLUMNS)
+CHECK_ROWS = 16  # batches decoded per call to the decoder: a share's prompts are never all in memory at once
 # What decides which examples training held out: inference must rebuild the split with the training run's values.
 SPLIT_KEYS = ("seed", "val_fraction")
 
@@ -146,7 +163,7 @@ def load_examples(config: InferenceConfig, tokenizer) -> Examples:
         combined = with_conversation_text(combined)
     split_codes = np.repeat(np.arange(len(SPLITS), dtype=np.int64), [len(s) for s in kept])
     # A record field named like an output column (a Hub dataset's own "split", say) gives way to the output.
-    record_columns = [c for c in combined.column_names if c not in (*TOKEN_COLUMNS, "index", *RESULT_COLUMNS)]
+    record_columns = [c for c in combined.column_names if c not in (*TOKEN_COLUMNS, *OUTPUT_COLUMNS)]
     return Examples(combined, combined.select_columns(["input_ids", "labels"]), split_codes,
                     np.asarray(combined["index"], dtype=np.int64), np.asarray(combined["length"], dtype=np.int64),
                     record_columns)
@@ -165,7 +182,7 @@ def score_batch(model, batch: dict[str, torch.Tensor], pooling: str) -> tuple[np
 
 
 def score_positions(model, examples: Examples, positions: np.ndarray, batch_size: int, pad_id: int, pooling: str,
-                    device: torch.device, progress) -> dict[str, np.ndarray]:
+                    device: torch.device, progress) -> dict[str, Any]:
     # The head's input width is the embedding width; an empty share still needs it for its shard's schema.
     hidden = model.get_output_embeddings().weight.shape[1]
     losses, counts, embeddings = [], [], [np.zeros((0, hidden), np.float32)]
@@ -186,6 +203,151 @@ def score_positions(model, examples: Examples, positions: np.ndarray, batch_size
     }
 
 
+@torch.inference_mode()
+def batch_losses(model, batch: dict[str, torch.Tensor]) -> np.ndarray:
+    """Each row's mean loss over its trained positions (example_losses), without the hidden states."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    return example_losses(out.logits, batch["labels"])[0].cpu().numpy()
+
+
+def pass_losses(model, n: int, rows_of: Callable[[np.ndarray], Sequence[Optional[dict]]], batch_size: int,
+                pad_id: int, device: torch.device, progress) -> np.ndarray:
+    """The loss of each of `n` rows, `batch_size` at a time; `rows_of` gives the rows at positions 0..n-1 of the
+    share (None for a row with nothing to score, whose loss is NaN)."""
+    out = np.full(n, np.nan)
+    for start in range(0, n, batch_size):
+        chunk = np.arange(start, min(n, start + batch_size))
+        rows = rows_of(chunk)
+        present = [(k, row) for k, row in enumerate(rows) if row is not None]
+        if present:
+            batch = {k: v.to(device) for k, v in collate([row for _, row in present], pad_id).items()}
+            out[chunk[[k for k, _ in present]]] = batch_losses(model, batch)
+        progress.update(len(chunk))
+    return out
+
+
+@contextlib.contextmanager
+def about(key: str, name: Optional[str]) -> Iterator[None]:
+    """A UserError raised inside names the option whose model it concerns."""
+    try:
+        yield
+    except UserError as error:
+        raise UserError(f"{key} {name}: {error}") from None
+
+
+def score_model(config: InferenceConfig, model, examples: Examples, share: np.ndarray, tokenizer, checker, backend
+                ) -> dict[str, Any]:
+    """model_name's pass over the share: loss, n_tokens and embedding; the response alone's loss (ifd) and the
+    checked greedy answers (checker) when asked for."""
+    pad_id = tokenizer.pad_token_id
+    with progress_bar(len(share), backend) as progress:
+        results = score_positions(model, examples, share, config.batch_size, pad_id, config.pooling,
+                                  backend.device, progress)
+    if config.ifd:
+        start = start_token(tokenizer)
+        with progress_bar(len(share), backend, "response alone") as progress:
+            results["response_loss"] = pass_losses(
+                model, len(share), lambda chunk: [response_only(r, start) for r in examples.rows(share[chunk])],
+                config.batch_size, pad_id, backend.device, progress)
+    if checker is not None:
+        results.update(check_answers(model, tokenizer, examples, share, checker, config, backend))
+    return results
+
+
+def check_answers(model, tokenizer, examples: Examples, share: np.ndarray, checker, config: InferenceConfig,
+                  backend) -> dict[str, Any]:
+    """The model's greedy answer to each example of the share, and the checker's score of it."""
+    chat = resolve_template(config.prompt_template, tokenizer) == "chat" or "messages" in examples.record_columns
+    eos = eos_token_ids(model, tokenizer) | ({end_of_turn_id(tokenizer)} if chat else set())
+    records = examples.dataset.select_columns(examples.record_columns)
+    answers: list[str] = []
+    agreement = [np.zeros(0)]
+    step = config.batch_size * CHECK_ROWS
+    with progress_bar(len(share), backend, "checking answers") as progress:
+        for start in range(0, len(share), step):
+            chunk = share[start:start + step]
+            found, values = answer_agreement(model, tokenizer, examples.rows(chunk), records[chunk.tolist()],
+                                             checker, eos, config.checker_max_new_tokens, config.batch_size)
+            answers += found
+            agreement.append(values)
+            progress.update(len(chunk))
+    return {"model_answer": answers, "agreement": np.concatenate(agreement)}
+
+
+def check_base_model(config: InferenceConfig, tokenizer) -> None:
+    """base_model must read this run's tokens as the same text (its vocabulary a part of this run's, under the same
+    ids) and take max_length: loss_change compares the same tokens under two models."""
+    assert config.base_model is not None
+    with about("base_model", config.base_model):
+        check_positions(model_config(config.base_model, None, None, config.trust_remote_code, "base_model"),
+                        config.max_length)
+    base = load_tokenizer(config.base_model, None, None, config.trust_remote_code, "base_model").get_vocab()
+    ours = tokenizer.get_vocab()
+    differs = next((token for token, i in base.items() if ours.get(token) != i), None)
+    if differs is not None:
+        raise UserError(f"base_model {config.base_model}: its tokenizer gives {differs!r} the id {base[differs]}, this "
+                        f"run's tokenizer {ours.get(differs)}; loss_change compares the same tokens under both "
+                        f"models, so base_model must be the model that model_name was fine-tuned from")
+
+
+def score_base(config: InferenceConfig, model, examples: Examples, share: np.ndarray, tokenizer, backend
+               ) -> np.ndarray:
+    """base_model's loss of the share's tokens."""
+    rows = model.get_input_embeddings().num_embeddings
+    if rows < len(tokenizer):
+        raise UserError(f"base_model {config.base_model}: has {rows} token embeddings, this run's tokenizer "
+                        f"{len(tokenizer)} tokens; base_model must be the model that model_name was fine-tuned from")
+    with progress_bar(len(share), backend, "base_model") as progress:
+        return pass_losses(model, len(share), lambda chunk: examples.rows(share[chunk]), config.batch_size,
+                           tokenizer.pad_token_id, backend.device, progress)
+
+
+def proxy_tokens(config: InferenceConfig, examples: Examples, share: np.ndarray):
+    """(ifd_model's tokenizer, the share's records tokenized by it in the share's order), as training would tokenize
+    them for that model; before any model loads, so a template it cannot write is an error at once."""
+    assert config.ifd_model is not None
+    tokenizer = apply_chat_template_option(
+        load_tokenizer(config.ifd_model, None, None, config.trust_remote_code, "ifd_model"), config.chat_template)
+    records = examples.dataset.select(share.tolist())
+    records = records.remove_columns([c for c in TOKEN_COLUMNS if c in records.column_names])
+    with about("ifd_model", config.ifd_model):
+        check_positions(model_config(config.ifd_model, None, None, config.trust_remote_code, "ifd_model"),
+                        config.max_length)
+        template = resolve_template(config.prompt_template, tokenizer)
+        tokens = tokenize_dataset(records, tokenizer, config.max_length, template,
+                                  effective_num_proc(config, len(records)), config.train_turns,
+                                  config.train_reasoning)
+    return tokenizer, tokens.select_columns(["input_ids", "labels", "drop_reason"])
+
+
+def score_proxy(config: InferenceConfig, model, proxy, share: np.ndarray, backend) -> np.ndarray:
+    """ifd_model's IFD of the share's records on its own tokens (`proxy`: proxy_tokens'); NaN where they leave
+    nothing to train on."""
+    tokenizer, tokens = proxy
+
+    def rows_of(chunk: np.ndarray) -> list[Optional[dict]]:
+        part = tokens[chunk.tolist()]
+        return [None if reason else {"input_ids": ids, "labels": labels}
+                for ids, labels, reason in zip(part["input_ids"], part["labels"], part["drop_reason"])]
+
+    start = start_token(tokenizer)
+    with progress_bar(2 * len(share), backend, "ifd_model") as progress:
+        given = pass_losses(model, len(share), rows_of, config.batch_size, tokenizer.pad_token_id, backend.device,
+                            progress)
+        alone = pass_losses(model, len(share),
+                            lambda chunk: [None if r is None else response_only(r, start) for r in rows_of(chunk)],
+                            config.batch_size, tokenizer.pad_token_id, backend.device, progress)
+    return ratio(given, alone)
+
+
+def derive_scores(results: dict[str, Any]) -> None:
+    """The scores computed from others: ifd from the two losses, loss_change from the two models'."""
+    if "response_loss" in results:
+        results["ifd"] = ratio(results["loss"], results["response_loss"])
+    if "base_loss" in results:
+        results["loss_change"] = results["loss"] - results["base_loss"]
+
+
 # ---------------------------------------------------------------- output
 
 def embedding_array(embeddings: np.ndarray):
@@ -200,24 +362,28 @@ def shard_path(output_dir: Path, rank: int, world_size: int) -> Path:
     return output_dir / "shards" / f"rank-{rank:05d}-of-{world_size:05d}.parquet"
 
 
-def write_shard(results: dict[str, np.ndarray], examples: Examples, path: Path) -> None:
+def write_shard(results: dict[str, Any], examples: Examples, path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     positions = results["position"]
-    table = pa.table({
+    columns = {
         "position": pa.array(positions, pa.int64()),
         "split": pa.array([SPLITS[c] for c in examples.split_codes[positions]], pa.string()),
         "index": pa.array(examples.indices[positions], pa.int64()),
         "loss": pa.array(results["loss"].astype(np.float64)),
         "n_tokens": pa.array(results["n_tokens"].astype(np.int64)),
         "embedding": embedding_array(results["embedding"]),
-    })
+    }
+    for name in SCORE_COLUMNS:
+        if name in results:
+            columns[name] = (pa.array(results[name], pa.string()) if name == "model_answer"
+                             else pa.array(np.asarray(results[name], dtype=np.float64)))
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
+    pq.write_table(pa.table(columns), path)
 
 
-def merge_shards(examples: Examples, output_dir: Path, world_size: int) -> Path:
+def merge_shards(examples: Examples, output_dir: Path, world_size: int):
     """One table, every kept example exactly once, ordered by (split, index), with the record's own fields."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -232,10 +398,25 @@ def merge_shards(examples: Examples, output_dir: Path, world_size: int) -> Path:
     shards = shards.take(pa.array(order))
     table = examples.dataset.select_columns(examples.record_columns).with_format("arrow")[
         shards.column("position").to_pylist()]
-    for name in ("index", *RESULT_COLUMNS):
-        table = table.append_column(name, shards.column(name))
+    for name in ("index", *RESULT_COLUMNS, *SCORE_COLUMNS):
+        if name in shards.column_names:
+            table = table.append_column(name, shards.column(name))
     # The records' datasets metadata describes fewer columns than the table now has; drop it.
-    table = table.replace_schema_metadata(None)
+    return table.replace_schema_metadata(None)
+
+
+def with_outliers(table, seed: int):
+    """`table` with its outlier column, from its embeddings."""
+    import pyarrow as pa
+
+    embeddings = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    scores = outlier_scores(embeddings.reshape(table.num_rows, -1), seed)
+    return table.append_column("outlier", pa.array(scores, pa.float64()))
+
+
+def write_result(table, output_dir: Path) -> Path:
+    import pyarrow.parquet as pq
+
     path = output_dir / RESULT_FILE
     with atomic_file(path) as tmp:
         pq.write_table(table, tmp)
@@ -254,6 +435,22 @@ def split_summary(table) -> dict[str, dict[str, float]]:
         if m.any():
             out[name] = {"examples": int(m.sum()), "mean_example_loss": float(loss[m].mean()),
                          "token_weighted_loss": float((loss[m] * n_tokens[m]).sum() / n_tokens[m].sum())}
+    return out
+
+
+def score_summary(table) -> dict[str, dict[str, Any]]:
+    """Per numeric score column: how many examples have it, and its mean and quantiles over them."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in SCORE_COLUMNS:
+        if name not in table.column_names or name == "model_answer":
+            continue
+        values = table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
+        finite = values[np.isfinite(values)]
+        stats: dict[str, Any] = {"examples": int(finite.size)}
+        if finite.size:
+            stats.update(mean=round(float(finite.mean()), 4),
+                         quantiles={q: round(float(np.quantile(finite, float(q))), 4) for q in ("0.1", "0.5", "0.9")})
+        out[name] = stats
     return out
 
 
@@ -277,10 +474,10 @@ def check_training_split(config: InferenceConfig) -> None:
                         f"the training split; set {' '.join(f'{k}={run[k]}' for k in differ)}")
 
 
-def progress_bar(total: int, backend):
+def progress_bar(total: int, backend, what: str = "inference"):
     from tqdm.auto import tqdm
 
-    desc = "inference" if backend.world_size == 1 else f"inference (rank 0 of {backend.world_size})"
+    desc = what if backend.world_size == 1 else f"{what} (rank 0 of {backend.world_size})"
     return tqdm(total=total, unit="ex", desc=desc, disable=not backend.is_main_process, mininterval=1.0)
 
 
@@ -297,6 +494,11 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         tokenizer = tokenizer_for(config)
         check_positions(model_config(config.model_name, config.model_revision, config.gguf_file,
                                      config.trust_remote_code), config.max_length)  # before tokenising
+        if config.base_model:
+            check_base_model(config, tokenizer)
+        # The user's checker runs (is imported) before the data and the models load: its mistakes surface at once.
+        checker = load_checker(config.checker, print if backend.is_main_process else lambda line: None) \
+            if config.checker else None
         # The main process fills the datasets cache alone; the others then read it instead of racing to write it.
         with backend.main_process_first():
             if backend.is_main_process:
@@ -304,24 +506,44 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
                 make_own_folder(output_dir / "shards")
                 output_dir.mkdir(parents=True, exist_ok=True)
             examples = load_examples(config, tokenizer)
-        model = load_model(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code,
-                           dtype=getattr(torch, config.dtype))
-        model.to(backend.device).eval()
 
         order = length_sorted_order(examples.lengths, examples.split_codes, examples.indices)
         mine = rank_share(order, backend.rank, backend.world_size)
+        proxy = proxy_tokens(config, examples, mine) if config.ifd_model else None
+        loading = 0.0  # seconds spent loading models after the clock started: not scoring
+
+        def loaded(name: str, key: str, revision: Optional[str] = None, gguf_file: Optional[str] = None):
+            nonlocal loading
+            began = time.perf_counter()
+            model = load_model(name, revision, gguf_file, config.trust_remote_code, getattr(torch, config.dtype),
+                               key)
+            loading += time.perf_counter() - began
+            return model.to(backend.device).eval()
+
+        model = loaded(config.model_name, "model_name", config.model_revision, config.gguf_file)
         backend.wait_for_everyone()
-        started = time.perf_counter()
-        with progress_bar(len(mine), backend) as progress:
-            results = score_positions(model, examples, mine, config.batch_size, tokenizer.pad_token_id,
-                                      config.pooling, backend.device, progress)
+        started, loading = time.perf_counter(), 0.0
+        results = score_model(config, model, examples, mine, tokenizer, checker, backend)
+        # One model in memory at a time: the next ones are arguments only, released when their pass returns.
+        del model
+        if config.base_model:
+            gc.collect()  # the weights of the model before, should they sit in a reference cycle
+            results["base_loss"] = score_base(config, loaded(config.base_model, "base_model"), examples, mine,
+                                              tokenizer, backend)
+        if config.ifd_model:
+            gc.collect()
+            results["proxy_ifd"] = score_proxy(config, loaded(config.ifd_model, "ifd_model"), proxy, mine, backend)
+        derive_scores(results)
         backend.wait_for_everyone()
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - started - loading
         write_shard(results, examples, shard_path(output_dir, backend.rank, backend.world_size))
         backend.wait_for_everyone()
         if not backend.is_main_process:
             return None
-        path = merge_shards(examples, output_dir, backend.world_size)
+        table = merge_shards(examples, output_dir, backend.world_size)
+        if config.outliers:
+            table = with_outliers(table, config.seed)
+        path = write_result(table, output_dir)
         write_summary(config, backend.world_size, path, elapsed)
         return path
     finally:
@@ -329,18 +551,24 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
 
 
 def write_summary(config: InferenceConfig, world_size: int, path: Path, elapsed: float) -> None:
-    """inference.json: the config, per-split losses and the scoring throughput (model loading not included)."""
+    """inference.json: the config, per-split losses, the scores' distributions and the scoring throughput (every
+    model's pass, the loading of the first model not included)."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, columns=["split", "loss", "n_tokens"])
+    written = pq.read_schema(path).names
+    table = pq.read_table(path, columns=["split", "loss", "n_tokens", *(c for c in SCORE_COLUMNS if c in written)])
     rate = table.num_rows / elapsed if elapsed > 0 else math.inf
     summary = {"config": redact(dataclasses.asdict(config)), "world_size": world_size,
                "examples": table.num_rows, "seconds": round(elapsed, 3), "examples_per_second": round(rate, 2),
-               "splits": split_summary(table)}
+               "splits": split_summary(table), "scores": score_summary(table)}
     atomic_write(path.parent / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     for name, stats in summary["splits"].items():
         print(f"{name}: {stats['examples']} examples, mean example loss {stats['mean_example_loss']:.4f}, "
               f"token-weighted loss {stats['token_weighted_loss']:.4f}")
+    for name, stats in summary["scores"].items():
+        if stats["examples"]:
+            print(f"{name}: mean {stats['mean']:.4f}, median {stats['quantiles']['0.5']:.4f} over "
+                  f"{stats['examples']} examples")
     print(f"{table.num_rows} examples in {elapsed:.2f} s on {world_size} process(es): "
           f"{rate:.1f} examples/s")
     print(f"wrote {path}")

@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="the HTML file to write, e.g. map.html")
     parser.add_argument("--compare", help="another inference run over the same data: colour by loss change "
                                           "(input minus compare) on the input's layout")
+    parser.add_argument("--color", metavar="COLUMN",
+                        help="the numeric column the page opens coloured by and the PNG is drawn in: loss (default), "
+                             "n_tokens, a score inference wrote (ifd, loss_change, agreement, outlier, ...), or "
+                             "'loss change' with --compare (its default); the page can switch to any of them")
     parser.add_argument("--clusters", type=int, help="number of clusters (default: about sqrt(n/4), at most 40)")
     parser.add_argument("--layout", choices=LAYOUTS, default="umap",
                         help="UMAP of the embeddings' PCA features (default), or their first two principal "
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         if path:
             require_writable_file(flag, Path(path))
     result = build_map(args.input, args.output, args.compare, args.clusters, args.layout, args.seed,
-                       args.text_chars, args.png, args.clusters_csv)
+                       args.text_chars, args.png, args.clusters_csv, args.color)
     hardest = result.clusters[0]
     print(f"{result.n_points} points, {len(result.clusters)} clusters; highest mean loss: cluster "
           f"{hardest['cluster']} ({hardest['label']}) {hardest['mean_loss']}")

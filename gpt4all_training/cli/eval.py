@@ -6,8 +6,8 @@ import argparse
 
 from gpt4all_training.errors import UserError, write_failure
 from gpt4all_training.evaluation.harness import EvalSettings, evaluate
-from gpt4all_training.evaluation.results import (RESULTS_FILE, comparison_table, read_results, results_table,
-                                                 write_results)
+from gpt4all_training.evaluation.results import (RESULTS_FILE, comparison_table, interval_table, read_results,
+                                                 results_table, write_results)
 from gpt4all_training.files import writable_folder
 from gpt4all_training.model.trained import DTYPES
 
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--apply-chat-template", action="store_true",
                         help="render each request with the tokenizer's chat template (few-shot as turns)")
     parser.add_argument("--compare", metavar="RESULTS_JSON",
-                        help="an earlier results.json: print its scores beside these, with the difference")
+                        help="an earlier results.json: print its scores beside these, with the difference paired "
+                             "on the examples both scored, its 95%% interval and a verdict")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
                             apply_chat_template=args.apply_chat_template)
     results = evaluate(args.model, settings)
     print(results_table(results))
+    print(f"\n95% intervals (Wilson for a share of examples, else bootstrap):\n{interval_table(results)}")
     if args.output:
         try:
             print(f"results: {write_results(results, args.output)}")

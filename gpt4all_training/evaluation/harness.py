@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from gpt4all_training.errors import UserError
+from gpt4all_training.evaluation.results import per_example
 from gpt4all_training.model.decoding import Sampling, Sequence, decode_all, eos_token_ids
 from gpt4all_training.model.trained import DTYPES, describe, open_model
 
@@ -145,9 +146,11 @@ def score(model, tokenizer, manager, tasks: list, settings: EvalSettings, label:
     seeds = settings.seeds()
     results = lm_eval.simple_evaluate(
         model=lm, tasks=tasks, task_manager=manager, num_fewshot=settings.num_fewshot, limit=settings.limit,
-        batch_size=settings.batch_size, log_samples=False, apply_chat_template=settings.apply_chat_template,
+        batch_size=settings.batch_size, log_samples=True, apply_chat_template=settings.apply_chat_template,
         fewshot_as_multiturn=settings.apply_chat_template, random_seed=seeds["python"],
         numpy_random_seed=seeds["numpy"], torch_random_seed=seeds["torch"], fewshot_random_seed=seeds["fewshot"])
+    # Each example's scores, not its prompts and outputs: what the intervals and paired comparisons need.
+    results["per_example"] = per_example(results.pop("samples", {}), results["results"])
     results["run"] = {
         **asdict(settings),
         "seeds": seeds,

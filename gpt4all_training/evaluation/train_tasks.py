@@ -21,7 +21,9 @@ import torch
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.evaluation.harness import EvalSettings, Keys, evaluate, load_tasks, score, task_manager_for
-from gpt4all_training.evaluation.results import results_table, tracker_metrics, write_results
+from gpt4all_training.evaluation.results import (interval_table, report_rows, results_table, tracker_metrics,
+                                                write_results)
+from gpt4all_training.tracking.report import write_report
 from gpt4all_training.tracking.tracker import Tracker
 
 KEYS = Keys(tasks="eval_tasks", include_path="eval_include_path")
@@ -40,15 +42,19 @@ def check_eval_tasks(config: TrainConfig) -> None:
         task_manager_for(settings.tasks, settings.include_paths, KEYS)
 
 
-def evaluate_final(config: TrainConfig, step: int, log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Score final/ on eval_tasks; write and log the results at `step`, the run's last."""
+def evaluate_final(config: TrainConfig, summary: dict[str, Any], log: Callable[[str], Any] = print
+                   ) -> dict[str, Any]:
+    """Score final/ on eval_tasks; write and log the results at the run's last step, and write report.html again
+    with the scores and their intervals."""
     output_dir = Path(config.output_dir)
     results = evaluate(str(output_dir / "final"), settings_of(config), KEYS)
     path = write_results(results, output_dir / "eval")
-    tracker = Tracker(output_dir, config, config.to_dict(), enabled=True, resume_step=step)
+    tracker = Tracker(output_dir, config, config.to_dict(), enabled=True, resume_step=summary["steps"])
     with contextlib.closing(tracker):
-        tracker.log(tracker_metrics(results), step)
+        tracker.log(tracker_metrics(results), summary["steps"])
+    write_report(output_dir, summary, report_rows(results))
     log(results_table(results))
+    log(interval_table(results))
     log(f"harness results: {path}")
     return results
 

@@ -6,7 +6,9 @@ Panels: the training loss (raw and smoothed) with the validation loss (markers, 
 for preference tuning the rewards and the reward accuracy (training and validation), for grpo the completions'
 rewards (each reward's too), the groups without signal, clipping, KL, entropy and completion lengths; learning rate,
 gradient norm, tokens per second, step time (batches, grpo's decoding, the update), padding fraction and peak memory;
-a panel whose metric was never logged is left out.
+a panel whose metric was never logged is left out. Below the panels, the scores with their 95% intervals
+(evaluation/intervals.py): a preference run's held-out reward accuracy (Wilson, over its validation pairs) and, once
+`eval_tasks` has scored final/, every harness score of eval/results.json; then the run's summary.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from gpt4all_training.files import atomic_write
+from gpt4all_training.intervals import proportion
 from gpt4all_training.tracking.tracker import read_metrics
 
 # (panel id, title, y label, [(metric, legend label)], log scale when the values span more than 100x)
@@ -163,7 +166,20 @@ def figure(panel: str, svg: str) -> str:
     return f"<figure class='panel' id='panel-{panel}'>{svg}</figure>"
 
 
-def write_report(output_dir: str | Path, summary: dict[str, Any]) -> Path:
+def score_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(score, value [95% interval], over what) of the run's own held-out scores."""
+    accuracy, pairs = summary.get("val_rewards/accuracies"), summary.get("val_pairs")
+    if isinstance(accuracy, (int, float)) and math.isfinite(accuracy) and pairs:
+        # Each validation pair is ranked right or not: the accuracy is a proportion of val_pairs.
+        return [("val_rewards/accuracies", proportion(round(accuracy * pairs), pairs).number(),
+                 f"{pairs} validation pairs")]
+    return []
+
+
+def write_report(output_dir: str | Path, summary: dict[str, Any],
+                 harness_rows: Sequence[tuple[str, str, str]] = ()) -> Path:
+    """report.html: the panels of metrics.jsonl, the held-out scores with their intervals (the run's own, then
+    `harness_rows` from an evaluation of final/) and the summary."""
     output_dir = Path(output_dir)
     rows = read_metrics(output_dir / "metrics.jsonl")
     panels = []
@@ -177,7 +193,13 @@ def write_report(output_dir: str | Path, summary: dict[str, Any]) -> Path:
     body = (f"<div class='panels'>{''.join(panels)}</div>" if panels else "<p>No loss was logged.</p>")
     table = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(readable(v))}</td></tr>"
                     for k, v in summary.items())
+    held_out = [*score_rows(summary), *harness_rows]
+    intervals = "" if not held_out else (
+        "<h2>Scores with 95% intervals</h2><table id='scores'><tr><th>score</th><th>value [95% interval]</th>"
+        "<th>over</th></tr>" + "".join(f"<tr><th>{html.escape(name)}</th><td>{html.escape(value)}</td>"
+                                       f"<td>{html.escape(over)}</td></tr>" for name, value, over in held_out)
+        + "</table>")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>training report</title>"
-            f"<style>{PAGE_STYLE}</style></head><body><h1>Training report</h1>{body}"
+            f"<style>{PAGE_STYLE}</style></head><body><h1>Training report</h1>{body}{intervals}"
             f"<h2>Summary</h2><table>{table}</table></body></html>")
     return atomic_write(output_dir / "report.html", page)

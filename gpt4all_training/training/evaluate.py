@@ -11,6 +11,7 @@ import torch
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.config.blocks import Evaluation
 from gpt4all_training.data.batching import fetch_batch
+from gpt4all_training.progress import progress
 from gpt4all_training.training.loss import token_loss_sum
 
 
@@ -66,18 +67,21 @@ def eval_batches(n_examples: int, batch_size: int, world_size: int, rank: int,
 def evaluate_loss(model, dataset, backend, batch_size: int, pad_id: int, max_batches: int | None = None,
                   validation: Validation | None = None) -> dict[str, Any]:
     """The validation metrics (by default TokenValidation's: {"val_loss", "val_ppl", "val_tokens"}); logits are
-    never kept across batches."""
+    never kept across batches. A "validation" bar counts the batches; the caller's line reports the result."""
     validation = validation or TokenValidation()
     was_training = model.training
     model.eval()
     totals = torch.zeros(validation.width, dtype=torch.float64, device=backend.device)
-    for indices, real in eval_batches(len(dataset), batch_size, backend.world_size, backend.rank, max_batches):
-        batch = backend.to_device(validation.fetch(dataset, indices, pad_id))  # XLA: a fixed width bucket
-        with backend.autocast():
-            sums = validation.sums(model, batch)
-        if real:
-            totals += sums.double()
-        backend.step_boundary()  # XLA: one graph per batch
+    batches = eval_batches(len(dataset), batch_size, backend.world_size, backend.rank, max_batches)
+    with progress("validation", len(batches), backend.is_main_process, leave=None) as bar:
+        for indices, real in batches:
+            batch = backend.to_device(validation.fetch(dataset, indices, pad_id))  # XLA: a fixed width bucket
+            with backend.autocast():
+                sums = validation.sums(model, batch)
+            if real:
+                totals += sums.double()
+            backend.step_boundary()  # XLA: one graph per batch
+            bar.update(1)
     totals = backend.reduce(totals)
     if was_training:
         model.train()

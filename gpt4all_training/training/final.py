@@ -70,7 +70,8 @@ def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_l
         if is_quantized(unwrapped):
             merged = merge_quantized(unwrapped, backend, state_dict, tokenizer, merge_dtype)
         else:
-            merged = backend.whole_copy(unwrapped, state_dict).float().merge_and_unload()  # ZeRO-3, XLA: a CPU copy
+            whole = backend.whole_copy(unwrapped, state_dict).float()  # ZeRO-3, XLA: a CPU copy
+            merged = whole.merge_and_unload(progressbar=True)  # PEFT's bar: "Unloading and merging model", n/N
             merged = merged.to(DTYPES[merge_dtype])
         merged.save_pretrained(folder / "merged", safe_serialization=True)
         tokenizer.save_pretrained(folder / "merged")
@@ -119,7 +120,9 @@ def finish_run(config: TrainConfig, backend, model, tokenizer, tracker, step: in
             backend.print(f"warning: could not write the report in {output_dir} ({reason}); {advice}; the model "
                           f"is complete in {final}", file=sys.stderr)
             report = None
-        backend.print(f"final model: {final}; loss curves: {report or 'none'}")
+        merged = final / "merged"  # named where the next command needs it: generate, serve, export take it
+        written = f"final model: {final}" + (f"; merged model: {merged}" if merged.is_dir() else "")
+        backend.print(f"{written}; loss curves: {report or 'none'}")
     backend.wait_for_everyone()
     if config.push_to_hub and config.save_name and backend.is_main_process:  # validate() requires save_name
         push_folder(output_dir / "final", config.save_name, log=backend.print)  # a failure warns; the run succeeds

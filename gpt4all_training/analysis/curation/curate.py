@@ -1,7 +1,9 @@
 """curate: an inference run to a new dataset, `DIR/<name>_clean.jsonl` (the record fields clean.py wrote, ready for
-`dataset_path: DIR`), with `DIR/curate_report.json` (what was read, kept and dropped, by reason, cluster and source)
-and `DIR/curate_removed.jsonl` (every dropped record's index, reason and, for a duplicate, the record it repeats).
-Every file is written to a temporary name and renamed, so a crash never leaves a half-written dataset."""
+`dataset_path: DIR`), with `DIR/curate_report.json` (what was read, kept and dropped, by reason, cluster and source,
+and, given the known-bad records, the precision and recall of each rule and of the whole) and
+`DIR/curate_removed.jsonl` (every dropped record's index, reason, the scores its rule read and, for a duplicate, the
+record it repeats). Every file is written to a temporary name and renamed, so a crash never leaves a half-written
+dataset."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from gpt4all_training.analysis.curation.embeddings import EMBEDDERS, record_embeddings, unit_rows
-from gpt4all_training.analysis.curation.rules import (exact_duplicates, loss_threshold, near_duplicates,
-                                                      similarity_summary)
-from gpt4all_training.analysis.inference import RESULT_COLUMNS
+from gpt4all_training.analysis.curation.rules import (Condition, condition_threshold, exact_duplicates, loss_threshold,
+                                                      near_duplicates, parse_rule, precision_recall, rule_mask,
+                                                      rule_text, similarity_summary)
+from gpt4all_training.analysis.inference import OUTPUT_COLUMNS, SCORE_COLUMNS
 from gpt4all_training.analysis.map.clusters import named_clusters
 from gpt4all_training.analysis.map.layout import embedding_features
 from gpt4all_training.analysis.map.runs import Run, load_run
@@ -26,8 +29,6 @@ from gpt4all_training.errors import UserError, shown
 from gpt4all_training.files import atomic_write
 from gpt4all_training.readers import parse_json, read_text
 
-# Why a record was dropped, in the order the rules run; a record counts under the first rule that drops it.
-REASONS = ("not_included", "excluded", "high_loss", "low_loss", "exact_duplicate", "near_duplicate")
 REPORT_FILE = "curate_report.json"
 REMOVED_FILE = "curate_removed.jsonl"
 EXAMPLES = 3  # example prompts per cluster and per source in the report
@@ -46,6 +47,9 @@ class CurateOptions:
     exclude_ids: Optional[str] = None
     name: str = "curated"
     seed: int = 0
+    drop: list[str] = field(default_factory=list)  # rules on any numeric column: "ifd>q0.9", "a<1&b>q0.8"
+    label_column: Optional[str] = None  # a column marking the known-bad records, to score the rules against
+    label_ids: Optional[str] = None  # or a file of their ids
 
 
 def read_ids(path: str, flag: str) -> np.ndarray:
@@ -98,9 +102,15 @@ def check_quantile(value: Optional[float], flag: str) -> None:
 
 def check_options(options: CurateOptions) -> None:
     if not any((options.near_duplicates is not None, options.loss_above is not None,
-                options.loss_below is not None, options.include_ids, options.exclude_ids)):
-        raise UserError("curate: no rule given; pass --near-duplicates, --loss-above, --loss-below, --include-ids "
-                        "or --exclude-ids")
+                options.loss_below is not None, options.include_ids, options.exclude_ids, options.drop)):
+        raise UserError("curate: no rule given; pass --drop, --near-duplicates, --loss-above, --loss-below, "
+                        "--include-ids or --exclude-ids")
+    texts = [rule_text(parse_rule(text)) for text in options.drop]
+    twice = next((text for k, text in enumerate(texts) if text in texts[:k]), None)
+    if twice is not None:
+        raise UserError(f"--drop {twice!r}: given twice; give each rule once")
+    if options.label_column and options.label_ids:
+        raise UserError("--label-column and --label-ids both mark the known-bad records; give one")
     check_quantile(options.loss_above, "--loss-above")
     check_quantile(options.loss_below, "--loss-below")
     if options.loss_above is not None and options.loss_below is not None and options.loss_below >= options.loss_above:
@@ -148,6 +158,7 @@ class Rows:
     prompts: list[str]
     responses: list[str]
     embeddings: np.ndarray
+    numeric: dict[str, np.ndarray]  # Run.numeric: what --drop rules read
 
     @classmethod
     def of(cls, run: Run) -> Rows:
@@ -156,16 +167,19 @@ class Rows:
             raise UserError(f"{run.path}: the index column repeats values; is this one inference.py output?")
         prompts, responses = run.prompt.to_pylist(), run.response.to_pylist()
         return cls(order, run.index[order], run.split[order], run.loss[order], run.source[order],
-                   [prompts[i] for i in order], [responses[i] for i in order], run.embeddings[order])
+                   [prompts[i] for i in order], [responses[i] for i in order], run.embeddings[order],
+                   {name: values[order] for name, values in run.numeric.items()})
 
 
 @dataclass
 class Decisions:
-    """Per row: why it was dropped ("" when kept) and, for a duplicate, the row it repeats and how closely."""
+    """Per row: why it was dropped ("" when kept) and, for a duplicate, the row it repeats and how closely; per
+    reason, in the order the rules ran, the rows its rule found on its own (those an earlier rule dropped too)."""
     reason: np.ndarray
     duplicate_of: np.ndarray
     similarity: np.ndarray
     rules: dict[str, Any] = field(default_factory=dict)
+    matched: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def none(cls, n: int) -> Decisions:
@@ -177,6 +191,7 @@ class Decisions:
 
     def drop(self, mask: np.ndarray, why: str) -> None:
         """Rows of `mask` still kept are dropped for `why`; one dropped earlier keeps its first reason."""
+        self.matched[why] = mask
         self.reason[mask & self.kept] = why
 
 
@@ -198,9 +213,69 @@ def apply_rules(rows: Rows, options: CurateOptions, run_path: Path) -> Decisions
             outside = rows.loss > threshold if key == "loss_above" else rows.loss < threshold
             decisions.drop(outside, "high_loss" if key == "loss_above" else "low_loss")
             decisions.rules[key] = {"quantile": quantile, "loss": round(threshold, 4)}
+    for text in options.drop:
+        drop_by_rule(rows, decisions, parse_rule(text), text, run_path)
     if options.near_duplicates is not None:
         drop_duplicates(rows, decisions, options)
     return decisions
+
+
+def drop_by_rule(rows: Rows, decisions: Decisions, conditions: list[Condition], given: str, run_path: Path) -> None:
+    """One --drop rule: the rows meeting all its conditions, thresholds taken over every row read."""
+    for condition in conditions:
+        values = rows.numeric.get(condition.column)
+        if values is None:
+            how = (f"run inference with {SCORE_COLUMNS[condition.column]} to write it"
+                   if condition.column in SCORE_COLUMNS else f"it has {', '.join(rows.numeric)}")
+            raise UserError(f"--drop {given!r}: {run_path} has no numeric column {condition.column!r}; {how}")
+        if not np.isfinite(values).any():
+            raise UserError(f"--drop {given!r}: column {condition.column!r} of {run_path} has no value (every one is "
+                            f"missing), so the rule has nothing to compare")
+    thresholds = [condition_threshold(rows.numeric[c.column], c) for c in conditions]
+    text = rule_text(conditions)
+    decisions.drop(rule_mask(rows.numeric, conditions, thresholds), text)
+    decisions.rules.setdefault("drop", []).append({
+        "rule": text,
+        "conditions": [{"column": c.column, "op": c.op, **({"quantile": c.value} if c.quantile else {}),
+                        "threshold": round(t, 6)} for c, t in zip(conditions, thresholds)]})
+
+
+def known_bad(rows: Rows, options: CurateOptions, run_path: Path) -> Optional[tuple[str, np.ndarray]]:
+    """(what marks them, the known-bad rows) from --label-column or --label-ids, or None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if options.label_ids:
+        ids = read_ids(options.label_ids, "--label-ids")
+        check_ids(ids, rows.index, "--label-ids", options.label_ids, run_path)
+        return f"ids {options.label_ids}", np.isin(rows.index, ids)
+    if not options.label_column:
+        return None
+    name = options.label_column
+    if name not in pq.read_schema(run_path).names:
+        raise UserError(f"--label-column {name}: {run_path} has no such column; the records' own fields are its "
+                        f"columns (clean.py keeps only its own fields: mark the records in the data inference reads, "
+                        f"or give their ids with --label-ids)")
+    column = pq.read_table(run_path, columns=[name]).column(name)
+    if not (pa.types.is_boolean(column.type) or pa.types.is_integer(column.type)
+            or pa.types.is_floating(column.type)):
+        raise UserError(f"--label-column {name}: holds {column.type}; give a column of true/false (or 1/0) that is "
+                        f"true for the known-bad records")
+    values = column.cast(pa.float64()).to_numpy(zero_copy_only=False)[rows.order]
+    return f"column {name}", np.nan_to_num(values) != 0  # a missing label is not a known-bad one
+
+
+def label_report(decisions: Decisions, source: str, bad: np.ndarray) -> dict[str, Any]:
+    """How well what was dropped, and what each rule found on its own, matches the known-bad records."""
+    dropped = ~decisions.kept
+    hits, precision, recall = precision_recall(dropped, bad)
+    by_rule = {}
+    for reason, found in decisions.matched.items():
+        rule_hits, rule_precision, rule_recall = precision_recall(found, bad)
+        by_rule[reason] = {"matched": int(found.sum()), "matched_bad": rule_hits, "precision": rule_precision,
+                           "recall": rule_recall}
+    return {"from": source, "bad": int(bad.sum()), "dropped": int(dropped.sum()), "dropped_bad": hits,
+            "precision": precision, "recall": recall, "by_rule": by_rule}
 
 
 def drop_duplicates(rows: Rows, decisions: Decisions, options: CurateOptions) -> None:
@@ -229,11 +304,17 @@ def drop_duplicates(rows: Rows, decisions: Decisions, options: CurateOptions) ->
                                           "nearest_similarity": similarity_summary(near.nearest)}
 
 
-def removed_lines(rows: Rows, decisions: Decisions) -> Iterable[str]:
+def removed_lines(rows: Rows, decisions: Decisions, bad: Optional[np.ndarray]) -> Iterable[str]:
+    """Each dropped row: its index, split and reason, its loss and the columns the --drop rules read, the row it
+    repeats, and whether it is a known-bad one (given them)."""
+    read = list(dict.fromkeys(c["column"] for rule in decisions.rules.get("drop", []) for c in rule["conditions"]))
     for row in np.flatnonzero(~decisions.kept):
         entry: dict[str, Any] = {"index": int(rows.index[row]), "split": rows.split[row],
-                                 "reason": decisions.reason[row],
-                                 "loss": round(float(rows.loss[row]), 4) if np.isfinite(rows.loss[row]) else None}
+                                 "reason": decisions.reason[row]}
+        for name, values in (("loss", rows.loss), *((c, rows.numeric[c]) for c in read if c != "loss")):
+            entry[name] = round(float(values[row]), 4) if np.isfinite(values[row]) else None
+        if bad is not None:
+            entry["bad"] = bool(bad[row])
         if decisions.duplicate_of[row] >= 0:
             entry["duplicate_of"] = int(rows.index[decisions.duplicate_of[row]])
         if np.isfinite(decisions.similarity[row]):
@@ -252,6 +333,7 @@ def curate(input_path: str | Path, output_dir: str | Path, options: CurateOption
     check_options(options)
     run = load_run(input_path)
     rows = Rows.of(run)
+    labelled = known_bad(rows, options, run.path)
     decisions = apply_rules(rows, options, run.path)
     kept = decisions.kept
 
@@ -260,19 +342,23 @@ def curate(input_path: str | Path, output_dir: str | Path, options: CurateOption
     table = pq.read_table(run.path)
     # The record's own fields; inference.py's columns are not part of a record. Read through datasets, which decodes
     # what it stored as JSON text (messages whose keys differ from turn to turn) back into the record's values.
-    record_columns = [c for c in table.column_names if c not in ("index", *RESULT_COLUMNS)]
+    record_columns = [c for c in table.column_names if c not in OUTPUT_COLUMNS]
     records = datasets.Dataset(table.select(record_columns).take(pa.array(rows.order[kept])))
     lines = (json.dumps(dataset_row_record(r, s), ensure_ascii=False) for r, s in zip(records, rows.source[kept]))
     dataset = output_dir / f"{options.name}_clean.jsonl"
     atomic_write(dataset, (line + "\n" for line in lines))
-    atomic_write(output_dir / REMOVED_FILE, (line + "\n" for line in removed_lines(rows, decisions)))
+    bad = labelled[1] if labelled else None
+    atomic_write(output_dir / REMOVED_FILE, (line + "\n" for line in removed_lines(rows, decisions, bad)))
 
     clusters, words = named_clusters(embedding_features(run.embeddings, options.seed), run, seed=options.seed)
     counts = Counter(decisions.reason[~kept].tolist())
+    for rule in decisions.rules.get("drop", []):
+        rule.update(matched=int(decisions.matched[rule["rule"]].sum()), dropped=counts[rule["rule"]])
     report = {
         "input": str(run.path), "output": str(dataset), "read": len(rows.index), "kept": int(kept.sum()),
-        "dropped": {r: counts[r] for r in REASONS if counts[r]}, "dropped_total": int((~kept).sum()),
+        "dropped": {r: counts[r] for r in decisions.matched if counts[r]}, "dropped_total": int((~kept).sum()),
         "rules": decisions.rules,
+        **({"label": label_report(decisions, *labelled)} if labelled else {}),
         # Numbered as on the map of this run built with the same --seed and the default --clusters.
         "removed_by_cluster": removed_by(clusters[rows.order], decisions.reason, rows.prompts, "cluster", words),
         "removed_by_source": removed_by(rows.source, decisions.reason, rows.prompts, "source"),

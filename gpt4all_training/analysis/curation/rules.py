@@ -6,10 +6,13 @@ Rows are in dataset order (by record index) throughout, so "earlier" means earli
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
+
+from gpt4all_training.errors import UserError
 
 PARTITION_SIZE = 1000  # rows per k-means partition on average: a partition's similarities fit in a few MB
 BLOCK_ROWS = 2048  # rows of a partition compared at once, so an oversized partition still fits in memory
@@ -105,3 +108,66 @@ def similarity_summary(nearest: np.ndarray) -> dict:
 
 def loss_threshold(loss: np.ndarray, quantile: float) -> float:
     return float(np.quantile(loss[np.isfinite(loss)], quantile))
+
+
+# ---------------------------------------------------------------- rules on any score: --drop "COLUMN>VALUE"
+
+OPERATORS = {">": np.greater, ">=": np.greater_equal, "<": np.less, "<=": np.less_equal}
+CONDITION = re.compile(r"\s*(?P<column>[A-Za-z_][\w.]*)\s*(?P<op>>=|<=|>|<)\s*(?P<quantile>[qQ])?"
+                       r"(?P<value>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
+RULE_EXAMPLES = ("write e.g. 'ifd>q0.9' (above the run's 0.9 quantile of ifd), 'loss_change<-1' or "
+                 "'agreement<1&loss>q0.8' (both at once), with >, >=, < or <=")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """`column OP value`, the value a number or, with `quantile`, that quantile of the column's values."""
+    column: str
+    op: str
+    value: float
+    quantile: bool
+
+    @property
+    def text(self) -> str:
+        return f"{self.column}{self.op}{'q' if self.quantile else ''}{self.value:g}"
+
+
+def parse_rule(text: str, flag: str = "--drop") -> list[Condition]:
+    """A rule's conditions, all of which a record must meet to be dropped: COLUMN OP [q]VALUE, joined by '&'."""
+    conditions = []
+    for part in text.split("&"):
+        match = CONDITION.fullmatch(part)
+        if match is None:
+            raise UserError(f"{flag} {text!r}: {part.strip()!r} is not COLUMN OP VALUE; {RULE_EXAMPLES}")
+        condition = Condition(match["column"], match["op"], float(match["value"]), match["quantile"] is not None)
+        if condition.quantile and not 0.0 < condition.value < 1.0:
+            raise UserError(f"{flag} {text!r}: q{match['value']} is not a quantile; give one between 0 and 1, e.g. "
+                            f"q0.9")
+        conditions.append(condition)
+    return conditions
+
+
+def rule_text(conditions: Sequence[Condition]) -> str:
+    """The rule written one way (no spaces, 'q' for a quantile): its name in the report and the removed list."""
+    return "&".join(condition.text for condition in conditions)
+
+
+def condition_threshold(values: np.ndarray, condition: Condition) -> float:
+    """The value a condition compares with: its number, or its quantile of the finite values."""
+    return float(np.quantile(values[np.isfinite(values)], condition.value)) if condition.quantile else condition.value
+
+
+def rule_mask(columns: dict[str, np.ndarray], conditions: Sequence[Condition], thresholds: Sequence[float]
+              ) -> np.ndarray:
+    """The rows that meet every condition; a missing value (NaN) meets none."""
+    masks = [OPERATORS[c.op](columns[c.column], t) for c, t in zip(conditions, thresholds)]
+    return np.logical_and.reduce(masks)
+
+
+def precision_recall(selected: np.ndarray, bad: np.ndarray) -> tuple[int, Optional[float], Optional[float]]:
+    """(known-bad rows selected, their share of the selected rows, their share of the known-bad rows); a share of
+    nothing is None."""
+    hits = int((selected & bad).sum())
+    precision = round(hits / int(selected.sum()), 4) if selected.any() else None
+    recall = round(hits / int(bad.sum()), 4) if bad.any() else None
+    return hits, precision, recall

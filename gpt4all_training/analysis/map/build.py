@@ -12,9 +12,10 @@ from typing import Callable, Iterator, Optional
 
 from gpt4all_training.analysis.map.clusters import cluster_table, named_clusters, write_clusters_csv
 from gpt4all_training.analysis.map.layout import embedding_features, layout_points
-from gpt4all_training.analysis.map.render import (change_scale, loss_scale, map_title, page_payload, write_html,
-                                                  write_png)
+from gpt4all_training.analysis.map.render import (change_scale, column_scale, loss_scale, map_title, page_payload,
+                                                  write_html, write_png)
 from gpt4all_training.analysis.map.runs import load_run, loss_change, result_path
+from gpt4all_training.errors import UserError
 
 
 @dataclass
@@ -42,12 +43,23 @@ def stage(log: Callable[[str], None], what: Callable[[], str]) -> Iterator[None]
 def build_map(input_path: str | Path, output: str | Path, compare: str | Path | None = None,
               n_clusters: Optional[int] = None, layout: str = "umap", seed: int = 0,
               text_chars: int = 240, png: str | Path | None = None,
-              clusters_csv: str | Path | None = None, log: Callable[[str], None] = to_stderr) -> MapResult:
+              clusters_csv: str | Path | None = None, color: Optional[str] = None,
+              log: Callable[[str], None] = to_stderr) -> MapResult:
+    """`color`: the numeric column (or, with `compare`, "loss change") the page opens coloured by and the PNG is
+    drawn in; by default the loss change when there is one, else the loss."""
     with stage(log, lambda: f"read {len(run.loss)} points from {result_path(input_path)}"
                             + (f" and {result_path(compare)}" if compare else "")):
         run = load_run(input_path)
         other = load_run(compare) if compare else None
         change = loss_change(run, other) if other is not None else None
+    scales = {"loss": loss_scale(run.loss)}
+    if change is not None:
+        scales["loss change"] = change_scale(change)
+    scales.update((name, column_scale(name, values)) for name, values in run.numeric.items() if name not in scales)
+    color = color or ("loss change" if change is not None else "loss")
+    if color not in scales:
+        raise UserError(f"--color {color}: {run.path} has no numeric column {color!r}; it has "
+                        f"{', '.join(scales)}")
 
     with stage(log, lambda: f"features of {len(features)} embeddings (PCA)"):
         features = embedding_features(run.embeddings, seed)
@@ -56,9 +68,6 @@ def build_map(input_path: str | Path, output: str | Path, compare: str | Path | 
     with stage(log, lambda: f"{len(rows)} clusters (k-means) and their labels"):
         labels, words = named_clusters(features, run, n_clusters, seed)
         rows = cluster_table(run, labels, words, change)
-    scales = {"loss": loss_scale(run.loss)}
-    if change is not None:
-        scales["loss change"] = change_scale(change)
 
     output = Path(output)
     png_path = Path(png) if png else output.with_suffix(".png")
@@ -66,8 +75,7 @@ def build_map(input_path: str | Path, output: str | Path, compare: str | Path | 
     csv_path = Path(clusters_csv) if clusters_csv else output.with_suffix(".clusters.csv")
     with stage(log, lambda: f"wrote {output}, {png_path} and {csv_path}"):
         output.parent.mkdir(parents=True, exist_ok=True)
-        write_html(page_payload(run, xy, labels, rows, scales, change, other, text_chars), output)
-        # The image shows what the page opens with: the loss change when there is one, else the loss.
-        write_png(xy, scales.get("loss change", scales["loss"]), labels, png_path, map_title(run))
+        write_html(page_payload(run, xy, labels, rows, scales, change, other, text_chars, color), output)
+        write_png(xy, scales[color], labels, png_path, map_title(run))  # what the page opens with
         write_clusters_csv(rows, csv_path)
     return MapResult(output, png_path, csv_path, len(run.loss), rows)

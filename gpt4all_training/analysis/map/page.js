@@ -21,7 +21,8 @@ const modes = {
   source: () => categorical(D.source, D.sources, "source"),
   split: () => categorical(D.split, D.splits, "split"),
 };
-if (D.scales["loss change"]) modes["loss change"] = () => ramp(D.scales["loss change"]);
+// Then the loss change (--compare) and every other numeric column of the run: n_tokens and inference's scores.
+for (const name of Object.keys(D.scales)) if (!modes[name]) modes[name] = () => ramp(D.scales[name]);
 
 function group(mode) {
   const m = modes[mode](), lists = m.colors.map(() => []);
@@ -154,12 +155,19 @@ function showTip(i, mx, my) {
   let head = D.splits[D.split[i]] + " #" + D.index[i] + "  source " + D.sources[D.source[i]] +
              "\nloss " + fmt(D.loss[i]) + " over " + D.n_tokens[i] + " tokens";
   if (D.change) head += "  change " + fmt(D.change[i]);
+  const values = Object.keys(D.values).map(name => name + " " + fmt(D.values[name][i]));
+  if (values.length) head += "\n" + values.join("  ");
   head += "\ncluster " + D.cluster[i] + ": " + cl.label;
   tip.replaceChildren();
   const b1 = document.createElement("b"), b2 = document.createElement("b");
   b1.textContent = "\nprompt: "; b2.textContent = "\nresponse: ";
   tip.append(document.createTextNode(head), b1, document.createTextNode(D.prompt[i]), b2,
              document.createTextNode(D.response[i]));
+  if (D.model_answer) {
+    const b3 = document.createElement("b");
+    b3.textContent = "\nmodel's answer: ";
+    tip.append(b3, document.createTextNode(D.model_answer[i]));
+  }
   tip.style.display = "block";
   const w = canvas.clientWidth;
   tip.style.left = Math.min(mx + 14, w - 450) + "px";
@@ -329,7 +337,7 @@ for (const name of Object.keys(modes)) {
 }
 // A link can carry the view: map.html#color=source&search=volcano
 const params = new URLSearchParams(location.hash.slice(1));
-select.value = modes[params.get("color")] ? params.get("color") : (D.change ? "loss change" : "loss");
+select.value = modes[params.get("color")] ? params.get("color") : D.color;
 select.addEventListener("change", () => setMode(select.value));
 fillTable();
 buckets = group(select.value);

@@ -82,8 +82,9 @@ def finite_percentiles(values: np.ndarray, low: float, high: float) -> tuple[flo
     return float(np.percentile(finite, low)), float(np.percentile(finite, high))
 
 
-def loss_scale(loss: np.ndarray) -> ColorScale:
-    """turbo over the 2nd..98th percentile of the losses: a few outliers do not wash the rest out."""
+def loss_scale(loss: np.ndarray, title: str = "loss") -> ColorScale:
+    """turbo over the 2nd..98th percentile of the losses (or any values): a few outliers do not wash the rest
+    out."""
     from matplotlib import colormaps
     from matplotlib.colors import ListedColormap, Normalize
 
@@ -92,10 +93,10 @@ def loss_scale(loss: np.ndarray) -> ColorScale:
         low, high = low - 0.5, low + 0.5
     name, start, stop = LOSS_COLORMAP
     cmap = ListedColormap(colormaps[name](np.linspace(start, stop, 256)))
-    return ColorScale("loss", loss, Normalize(low, high), cmap, magnitude_on_top=False)
+    return ColorScale(title, loss, Normalize(low, high), cmap, magnitude_on_top=False)
 
 
-def change_scale(change: np.ndarray) -> ColorScale:
+def change_scale(change: np.ndarray, title: str = "loss change (input - compare)") -> ColorScale:
     """Blue for loss that went down, red for up, over the 2nd..98th percentile of the changes. When both signs
     occur, 0 is the neutral grey in the middle (two slopes, one per sign); when the changes share a sign (say
     fine-tuning lowered every loss), that half of the colormap spans the data's own range, so the points differ in
@@ -105,13 +106,21 @@ def change_scale(change: np.ndarray) -> ColorScale:
 
     low, high = finite_percentiles(change, 2, 98)
     diverging = colormaps[CHANGE_COLORMAP]
-    title = "loss change (input - compare)"
     if low < 0.0 < high:
         return ColorScale(title, change, TwoSlopeNorm(0.0, low, high), diverging, magnitude_on_top=True)
     if high <= low:
         low, high = low - 0.5, low + 0.5
     half = np.linspace(0.0, 0.45, 256) if high <= 0 else np.linspace(0.55, 1.0, 256)
     return ColorScale(title, change, Normalize(low, high), ListedColormap(diverging(half)), magnitude_on_top=True)
+
+
+def column_scale(name: str, values: np.ndarray) -> ColorScale:
+    """A numeric column's scale, titled by its name: the loss change's diverging one for a change (loss_change) and
+    for values of both signs, where 0 means something; else the loss's ramp."""
+    low, high = finite_percentiles(values, 2, 98)
+    if name.endswith("change") or low < 0.0 < high:
+        return change_scale(values, name)
+    return loss_scale(values, name)
 
 
 def category_colors(n: int) -> list[str]:
@@ -189,9 +198,12 @@ def map_title(run: Run) -> str:
 
 
 def page_payload(run: Run, xy: np.ndarray, labels: np.ndarray, rows: list[dict], scales: dict[str, ColorScale],
-                 change: Optional[np.ndarray], other: Optional[Run], text_chars: int) -> dict:
+                 change: Optional[np.ndarray], other: Optional[Run], text_chars: int, color: str) -> dict:
+    """What the page draws; `scales` holds a colour mode per numeric column (and the loss change), `color` is the
+    mode it opens with."""
     sources, source_codes = categories(run.source)
     split_names, split_codes = categories(run.split)
+    shown = {name: rounded(values, 4) for name, values in run.numeric.items() if name not in ("loss", "n_tokens")}
     return {
         "title": map_title(run),
         "subtitle": str(run.path) + (f" compared with {other.path}" if other is not None else ""),
@@ -201,6 +213,8 @@ def page_payload(run: Run, xy: np.ndarray, labels: np.ndarray, rows: list[dict],
         "cluster": labels.tolist(), "source": source_codes.tolist(), "sources": sources,
         "split": split_codes.tolist(), "splits": split_names,
         "prompt": truncate(run.prompt, text_chars), "response": truncate(run.response, text_chars),
+        "model_answer": truncate(run.model_answer, text_chars) if run.model_answer is not None else None,
+        "values": shown, "color": color,
         "clusters": [{k: r[k] for k in ("cluster", "label", "size", "mean_loss", "mean_loss_change") if k in r}
                      for r in rows],
         "scales": {name: scale.page() for name, scale in scales.items()},

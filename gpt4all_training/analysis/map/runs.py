@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ from gpt4all_training.errors import UserError
 
 RESULT_FILE = "inference.parquet"
 SPLITS = ("train", "val")
+NOT_SCORES = ("index",)  # numbers that identify an example rather than measure it
 
 
 @dataclass
@@ -26,6 +27,10 @@ class Run:
     source: np.ndarray  # str
     prompt: Any  # pyarrow.ChunkedArray
     response: Any
+    # Every column of numbers or booleans but the index, as float64 with NaN where a value is missing: the loss,
+    # n_tokens, the scores inference wrote (ifd, agreement, outlier, ...) and a record's own numeric fields.
+    numeric: dict[str, np.ndarray] = field(default_factory=dict)
+    model_answer: Any = None  # the model's own answers (inference's checker), when the run has them
 
     def keys(self, stride: int) -> np.ndarray:
         """(split, index) as one integer per row; `stride` must exceed every index of the runs compared."""
@@ -98,6 +103,21 @@ def check_columns(table, file: Path) -> None:
                             f"{first_row(column.combine_chunks().is_null())}; rerun inference.py")
 
 
+def numeric_columns(table) -> dict[str, np.ndarray]:
+    """Run.numeric of an inference table, in the table's column order."""
+    import pyarrow as pa
+
+    out = {}
+    for name in table.column_names:
+        kind = table.schema.field(name).type
+        if name in NOT_SCORES or not (pa.types.is_floating(kind) or pa.types.is_integer(kind)
+                                      or pa.types.is_boolean(kind)):
+            continue
+        # Through float64, whose missing values Arrow gives as NaN.
+        out[name] = table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+    return out
+
+
 def load_run(path: str | Path) -> Run:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -124,7 +144,8 @@ def load_run(path: str | Path) -> Run:
                split=np.asarray(table.column("split").to_pylist(), dtype=object),
                index=table.column("index").to_numpy().astype(np.int64),
                source=np.array(["unknown" if s is None else str(s) for s in source], dtype=object),
-               prompt=table.column("prompt"), response=table.column("response"))
+               prompt=table.column("prompt"), response=table.column("response"), numeric=numeric_columns(table),
+               model_answer=table.column("model_answer") if "model_answer" in table.column_names else None)
 
 
 def loss_change(run: Run, other: Run) -> np.ndarray:

@@ -1,18 +1,24 @@
 // Evaluate: `eval` on the shipped offline suite (configs/eval) for a model before and after training, the scores
-// side by side with their difference.
+// side by side with their 95% intervals and their paired difference.
 import {get, runJob} from "../api.js";
 import {formatNumber} from "../chart.js";
-import {$, busy, el, listing, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
 
+const interval = bounds => bounds ? `[${formatNumber(bounds[0])}, ${formatNumber(bounds[1])}]` : "-";
+
+// Each score with its 95% interval; with two models the difference, paired on the same examples, its interval and
+// verdict (better, worse, no measurable difference).
 function table(result) {
   const two = result.models.length === 2;
-  const head = el("tr", {}, ...["task", "metric", ...result.models.map((m, i) => `${two ? ["before", "after"][i]
-    : "score"} (${m})`), ...(two ? ["difference"] : [])].map(h => el("th", {text: h})));
+  const head = el("tr", {}, ...["task", "metric", ...result.models.flatMap((m, i) => [`${two ? ["before", "after"][i]
+    : "score"} (${m})`, "95% interval"]), ...(two ? ["difference", "95% interval", "verdict"] : [])]
+    .map(h => el("th", {text: h})));
   return [head, ...result.rows.map(row => el("tr", {"data-task": row.task, "data-metric": row.metric},
     el("td", {text: row.task}), el("td", {text: row.metric}),
-    ...row.values.map(v => el("td", {text: formatNumber(v)})),
+    ...row.values.flatMap((v, i) => [el("td", {text: formatNumber(v)}), el("td", {text: interval(row.intervals[i])})]),
     ...(two ? [el("td", {class: row.change > 0 ? "up" : row.change < 0 ? "down" : "", text: row.change === null
-      ? "-" : (row.change > 0 ? "+" : "") + formatNumber(row.change)})] : [])))];
+      ? "-" : (row.change > 0 ? "+" : "") + formatNumber(row.change)}), el("td", {text: interval(row.change_interval)}),
+      el("td", {class: {better: "up", worse: "down"}[row.verdict] || "", text: row.verdict || "-"})] : [])))];
 }
 
 export function init() {
@@ -30,8 +36,8 @@ export function init() {
 
 export async function show() {
   const [files, suite] = await Promise.all([listing(), get("/api/eval/tasks")]);
-  setOptions($("eval-before"), files.models, "(none)");
-  setOptions($("eval-after"), files.models);
+  setOptions($("eval-before"), modelOptions(files), "(none)");
+  setOptions($("eval-after"), modelOptions(files));
   if (!$("eval-tasks").children.length) {
     $("eval-tasks").replaceChildren(...suite.tasks.map(task => el("label", {},
       el("input", {type: "checkbox", value: task, checked: ""}), ` ${task}`)));

@@ -1,15 +1,17 @@
 // Map and curate: `inference` and `build_map` of a run (a job), the map in the page (its own selection tools: search,
 // a cluster, the lasso), `curate` from its selection, and training again on the curated folder.
 import {get, runJob} from "../api.js";
-import {$, busy, listing, setOptions, showCommand} from "../ui.js";
+import {$, busy, listing, packagedOptions, setOptions, showCommand} from "../ui.js";
 
 let runs = [];
+let packaged = [];  // the packaged models: the base before training, mapped over the run's data
 let shownMap = null;  // the inference folder whose map is shown
 
 function modelsOf(name) {
   const run = runs.find(r => r.name === name);
   if (!run) return [];
-  return [...(run.final ? [run.final] : []), ...run.checkpoints.map(step => `${run.output_dir}/step_${step}`)];
+  return [...(run.final ? [run.final] : []), ...run.checkpoints.map(step => `${run.output_dir}/step_${step}`),
+          ...packaged];
 }
 
 function showMap(folder) {
@@ -26,10 +28,12 @@ function selection() {
 }
 
 async function refresh() {
-  runs = (await get("/api/runs")).runs.filter(r => r.final || r.checkpoints.length);
+  const [listed, files] = await Promise.all([get("/api/runs"), listing()]);
+  runs = listed.runs.filter(r => r.final || r.checkpoints.length);
+  packaged = packagedOptions(files);
   setOptions($("map-run"), runs.map(r => r.name));
   setOptions($("map-model"), modelsOf($("map-run").value));
-  setOptions($("map-existing"), (await listing()).maps, "(a map built before)");
+  setOptions($("map-existing"), files.maps, "(a map built before)");
 }
 
 export function init() {
