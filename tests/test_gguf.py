@@ -5,8 +5,8 @@ scaling, qk-norm, sliding windows, soft-capping, Gemma's norms and embedding sca
 embeddings, biases, partial rotary, NoPE layers): 2 layers, width 256 (the k-quants' blocks are 256 long: a narrower
 row would fall back to another type). The byte-level BPE families use the session's chat tokenizer; Gemma 2 and 3
 and Phi-3 a real SentencePiece model trained here, laid out as theirs are (llama.cpp's converter reads their
-vocabulary from tokenizer.model). Each is written once in every type the tools give for it (one converter process
-and one quantizer process for all), then read by llama.cpp b11549 (the `xllamacpp` wheel): its tokenizer must give
+vocabulary from tokenizer.model). Each is written once in every type (one converter process and one quantizer
+process, llama.cpp v0.5.0's, for all), then read by llama.cpp b11549 (the `xllamacpp` wheel): its tokenizer must give
 transformers' ids and its logits must match transformers' on the merged fp32 model within a bound derived from the
 type below. What each family's check observes is the GGUF cell of the README's architecture matrix
 (support/observations.py; tests/test_matrix.py observes the other cells).
@@ -27,8 +27,8 @@ from support.observations import GGUF_FAMILIES, forget, observe
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.export import llama_cpp
-from gpt4all_training.export.gguf import (ARCHITECTURES, CONVERTER_TYPES, TYPES, check_architecture, plan,
-                                          pre_tokenizer_name, save_for_conversion, sentencepiece_model)
+from gpt4all_training.export.gguf import (TYPES, check_architecture, plan, pre_tokenizer_name, save_for_conversion,
+                                          sentencepiece_model)
 from gpt4all_training.export.template import SAMPLING
 
 TEXT = ("Which is a species of fish? Tope or Rope. <|im_start|>assistant\nTope<|im_end|>\n"
@@ -140,17 +140,15 @@ class Family:
 
 @pytest.fixture(scope="module")
 def matrix(family_tokenizers, tmp_path_factory) -> dict[str, Family]:
-    """Every family written in every type the tools give for it."""
+    """Every family written in every type."""
     root = tmp_path_factory.mktemp("gguf-matrix")
     families, plans = {}, []
     for family, tokenizer in family_tokenizers.items():
         config = family_configs(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)[family]
         model = build(config)
         folder = save_for_conversion(model, tokenizer, root / family, sentencepiece=sentencepiece_model(tokenizer))
-        quantizable = ARCHITECTURES[config.model_type] in llama_cpp.QUANTIZER_ARCHITECTURES
-        dtypes = [dtype for dtype, gguf_type in TYPES.items() if quantizable or not gguf_type.quantize]
         family_plans = {dtype: plan(folder, tokenizer, root / f"{family}-{dtype}.gguf", dtype, family)
-                        for dtype in dtypes}
+                        for dtype in TYPES}
         families[family] = Family(model, tokenizer, {dtype: steps.quantize[1] if steps.quantize
                                                      else steps.convert.outfile
                                                      for dtype, steps in family_plans.items()})
@@ -170,7 +168,8 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 # block's largest value for the quantized types: half a step of 2^-8 for Q8_0's 127 levels, 2^-4 for the 4-bit
 # types, 2^-5 and 2^-6 for Q5_K and Q6_K), and llama.cpp rounds activations to F16 or 8-bit blocks on its own side
 # (which sets u for F32). Through the layers the logit error stays a small multiple of u * max|logit|: measured at
-# most 4.5 u (Q8_0; 0.5-3.5 u for the others) on these models; 8 u leaves room for other seeds.
+# most 6.9 u (Gemma 3's Q8_0; its 4- to 6-bit files 3.3-5.7 u, the other families' at most 4.1 u) on these models;
+# 8 u leaves room for other seeds.
 UNIT_ROUNDOFF = {"f32": 2.0**-11, "f16": 2.0**-11, "bf16": 2.0**-8, "q8_0": 2.0**-8, "q6_k": 2.0**-6,
                  "q5_k_m": 2.0**-5, "q4_k_m": 2.0**-4, "q4_0": 2.0**-4}
 
@@ -186,8 +185,7 @@ def test_llama_cpp_reads_every_type_as_transformers_runs_the_model(matrix, famil
         ids = matrix[family].tokenizer(TEXT, add_special_tokens=False)["input_ids"]
         expected = hf_logits(matrix[family].model, ids)
         scale = float(np.abs(expected).max())
-        quantizable = family in ("llama3", "smollm2", "mistral", "qwen2", "gemma2", "phi3", "gpt_neox")
-        assert set(matrix[family].files) == (set(TYPES) if quantizable else set(CONVERTER_TYPES))
+        assert set(matrix[family].files) == set(TYPES)
         differences = {}
         for dtype, path in matrix[family].files.items():
             with llama_cpp.LlamaCppModel(path) as model:
@@ -233,18 +231,29 @@ def test_sampling_is_what_generate_and_eval_default_to():
 def test_what_cannot_be_written_is_refused_in_one_line_naming_what_can():
     from transformers import Gemma3Config, GPTJConfig, Qwen3Config
 
-    with pytest.raises(UserError) as error:
-        check_architecture(Qwen3Config(), "q4_k_m")
-    assert str(error.value) == ("--dtype q4_k_m: llama.cpp's quantizer installed here (gpt4all 2.8.2's, mid-2024) "
-                                "predates qwen3; for qwen3 write one of f32, f16, bf16, q8_0 (and quantize it with a "
-                                "current llama-quantize)")
-    check_architecture(Qwen3Config(), "q8_0")
+    for dtype in TYPES:
+        check_architecture(Qwen3Config(), dtype)
     with pytest.raises(UserError, match=r"^--format gguf: model type 'gemma3' is not supported; GGUF is written "
                                         r"for gemma2, gemma3_text, gpt_neox, llama, mistral, phi3, qwen2, qwen3, "
                                         r"smollm3; use --format hf$"):
         check_architecture(Gemma3Config(), "f16")  # the multimodal model: export its text model
     with pytest.raises(UserError, match="^--format gguf: GPT-J cannot be exported as GGUF"):
         check_architecture(GPTJConfig(), "f16")
+
+
+def test_a_quantized_type_without_the_quantizer_is_refused_in_one_line_saying_how_to_install_it(monkeypatch,
+                                                                                                  tmp_path):
+    """Where `make install` could not install llama.cpp's quantizer (not Linux x86-64, no npm), before any load."""
+    from transformers import Qwen3Config
+
+    monkeypatch.setattr(llama_cpp, "QUANTIZER_DIR", tmp_path)
+    monkeypatch.setattr(llama_cpp, "QUANTIZER_LIBRARY", tmp_path / "libllama.v0.5.0.so")
+    with pytest.raises(UserError) as error:
+        check_architecture(Qwen3Config(), "q4_k_m")
+    assert str(error.value) == (f"--dtype q4_k_m: llama.cpp's quantizer is not installed ({tmp_path}/libllama.v0.5.0"
+                                f".so); install it with `bash scripts/install_llama_quantizer.sh {tmp_path}` (make "
+                                f"install does, on Linux x86-64 with npm), or write one of f32, f16, bf16, q8_0")
+    check_architecture(Qwen3Config(), "q8_0")
 
 
 def test_released_gemma3_configs_export_and_others_are_refused_naming_what_llama_cpp_fixes():

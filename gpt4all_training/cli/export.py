@@ -6,7 +6,7 @@ import argparse
 import re
 import time
 
-from gpt4all_training.export.hf import export
+from gpt4all_training.export.hf import export_with_agreement
 
 
 def shard_size(text: str) -> str:
@@ -29,10 +29,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hf: split weights into files of at most this size (default 2GB)")
 
 
+def readable_size(size: float) -> str:
+    """A file size in the largest unit (powers of 1000) that keeps it at least 1: 512 B, 3.4 KB, 105.5 MB."""
+    if size < 1000:
+        return f"{size:.0f} B"
+    for unit in ("KB", "MB", "GB", "TB"):
+        size /= 1000
+        if size < 999.95 or unit == "TB":
+            break
+    return f"{size:.1f} {unit}"
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    files = export(args.source, args.to, args.format, args.dtype, args.base, args.max_shard_size)
-    for path in files:
-        print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
-    print(f"exported {args.source} as {args.format} in {time.perf_counter() - started:.1f} s")
+    exported = export_with_agreement(args.source, args.to, args.format, args.dtype, args.base, args.max_shard_size)
+    for path in exported.files:
+        print(f"{path}  {readable_size(path.stat().st_size)}")
+    summary = f"exported {args.source} as {args.format} in {time.perf_counter() - started:.1f} s"
+    print(f"{summary}; {exported.agreement.summary()}" if exported.agreement else summary)
     return 0

@@ -15,6 +15,8 @@ import sys
 from gpt4all_training.cli.offline import announce, go_offline_if_local
 from gpt4all_training.config.secrets import scrubbed_output
 from gpt4all_training.errors import TrainingError, UserError, file_system_refusal
+from gpt4all_training.library_warnings import hide_unactionable_warnings
+from gpt4all_training.training.stop import StoppedAtOnce
 
 # subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -66,6 +68,7 @@ def run_command(argv: list[str]) -> int:
     """The subcommand's exit code, with a UserError, TrainingError or file system refusal as its one line."""
     try:
         announce(go_offline_if_local(argv))  # before the subcommand's module imports transformers and datasets
+        hide_unactionable_warnings()
         args = build_parser(argv[0] if argv else None).parse_args(argv)
         code = importlib.import_module(args.module).run(args)
     except UserError as exc:
@@ -74,9 +77,9 @@ def run_command(argv: list[str]) -> int:
     except TrainingError as exc:
         report_error(exc)
         code = 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
-        code = 130
+        code = exc.exit_code if isinstance(exc, StoppedAtOnce) else 130  # a second SIGTERM is still 143
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away; keep Python from complaining while it flushes stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

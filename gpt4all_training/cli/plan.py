@@ -18,9 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "run in output_dir, if any)")
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                         help="memory of one GPU in GiB: each estimate then says whether it fits")
+    parser.add_argument("--config-only", action="store_true",
+                        help="plan from the model's config.json alone: its memory per GPU and checkpoint size, "
+                             "without reading the tokenizer or the data (no steps, tokens or time)")
 
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    print(make_plan(config, args.gpus, args.tokens_per_second, args.gpu_memory).describe())
+    print(make_plan(config, args.gpus, args.tokens_per_second, args.gpu_memory, args.config_only).describe())
     return 0

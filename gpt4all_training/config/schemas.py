@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from gpt4all_training.config.blocks import (LOSS_TYPES, OBJECTIVE_DEFAULTS, Batching, Check, Checkpoints, DataSource,
-                                            Evaluation, Examples, Faults, LoRA, Logging, ModelSource, Objective,
-                                            Optimizer, Preference, PromptFormat, Publishing, Quantization, Rollouts,
-                                            Schedule, TextField, TrainingCompute, at_least_one)
-from gpt4all_training.config.fields import doc
+from gpt4all_training.config.blocks import (BUILTIN_REWARDS, LOSS_TYPES, OBJECTIVE_DEFAULTS, USER_REWARD_KEYS, Batching,
+                                            Check, Checkpoints, DataSource, Evaluation, Examples, Faults, LoRA, Logging,
+                                            ModelSource, Objective, Optimizer, Preference, PromptFormat, Publishing,
+                                            Quantization, Rollouts, Schedule, TextField, TrainingCompute, at_least_one,
+                                            reward_value_problem)
+from gpt4all_training.config.fields import LocalPath, PathName, doc
 
 # The tokenizer's end-of-text token: the first special token by default.
 EOS = "<|endoftext|>"
@@ -135,12 +136,60 @@ class InferenceConfig(PromptFormat, Examples, DataSource, ModelSource):
     batch_size: int = doc("Examples per forward pass, per process.", 8)
     pooling: Literal["last", "mean"] = doc("Embedding: 'last' (hidden state of the last real token) or 'mean' "
                                            "(over real tokens).", "last")
-    output_dir: str = doc("Where inference.parquet and inference.json go.", "ckpts/inference")
+    output_dir: PathName = doc("Where inference.parquet and inference.json go.", "ckpts/inference")
+    ifd: bool = doc("Also write response_loss (the loss of the trained tokens with the prompt left out) and ifd "
+                    "(loss / response_loss: Instruction-Following Difficulty, Li et al. 2023); one more forward pass "
+                    "per example.", False)
+    base_model: Optional[PathName] = doc("The model model_name was fine-tuned from (a folder or Hub id sharing its "
+                                         "tokenizer): also write base_loss (the same tokens' loss under it) and "
+                                         "loss_change (loss - base_loss).")
+    ifd_model: Optional[PathName] = doc("A small proxy model (any folder or Hub id, e.g. the base model; it tokenizes "
+                                        "with its own tokenizer): also write proxy_ifd, the IFD under it "
+                                        "(Superfiltering, Li et al. 2024).")
+    checker: Optional[Annotated[dict, LocalPath(keys=("module",), runs_code=True)]] = doc(
+        "Also decode every example's answer greedily (the prompt up to its last trained turn) and write it as "
+        "model_answer, and agreement: the checker's score of it against the record's response. Built in: {name: "
+        "exact_match} (1 when equal after strip; `pattern`: a regex whose last match, or its first group, is the "
+        "answer compared; `field`: the record field to compare with, default response) or {name: numeric_match} "
+        "(the last number within `tolerance`). Your own: {module: path/to/file.py, function: name}, called as a grpo "
+        "reward is (prompts, completions, completion_ids and every record field as keyword lists), returning one "
+        "number per record. One decode per example: leave unset to skip it.")
+    checker_max_new_tokens: int = doc("checker: the most tokens decoded per answer.", 64)
+    outliers: bool = doc("Also write outlier: each example's Local Outlier Factor (scikit-learn, 20 neighbours) on "
+                         "its embedding's PCA features, the map's; about 1 inside a cluster, higher the more "
+                         "isolated.", True)
 
     def checks(self) -> list[Check]:
+        checker = checker_problem(self.checker) if self.checker is not None else None
         return [Check("batch_size", self.batch_size >= 1, "must be at least 1"),
                 Check("output_dir", bool(self.output_dir.strip()),
-                      "must name a folder (empty would write into the current folder)")]
+                      "must name a folder (empty would write into the current folder)"),
+                Check("base_model", self.base_model is None or bool(self.base_model.strip()),
+                      "must name a model (or leave it unset)"),
+                Check("ifd_model", self.ifd_model is None or bool(self.ifd_model.strip()),
+                      "must name a model (or leave it unset)"),
+                Check("checker", checker is None, str(checker), got=False),
+                Check("checker_max_new_tokens", self.checker_max_new_tokens >= 1, "must be at least 1")]
+
+
+# The rewards that compare an answer with a record field, which a checker can be.
+BUILTIN_CHECKERS = ("exact_match", "numeric_match")
+
+
+def checker_problem(entry: dict) -> Optional[str]:
+    """What is wrong with inference's `checker`, in words for its error line, or None."""
+    name = entry.get("name")
+    if name is not None and name not in BUILTIN_CHECKERS:
+        return (f"no built-in checker is called {name!r}; the built-in ones are {', '.join(BUILTIN_CHECKERS)} (your "
+                f"own function: module and function)")
+    if name is None and not all(isinstance(entry.get(key), str) and entry[key] for key in USER_REWARD_KEYS):
+        return (f"give name ({' or '.join(BUILTIN_CHECKERS)}), or module (a .py file) and function (the name of a "
+                f"function in it)")
+    allowed = ("name", *BUILTIN_REWARDS[name]) if name else USER_REWARD_KEYS
+    unknown = [key for key in entry if key not in allowed]
+    if unknown:
+        return f"unknown key {unknown[0]!r}; it takes {', '.join(allowed)}"
+    return reward_value_problem(name, entry, max_completion_length=1)
 
 
 @dataclass
@@ -160,11 +209,11 @@ class GenerateConfig(PromptFormat, ModelSource):
     seed: int = doc("Seed of the sampling generator: the same seed and prompts give the same text.", 0)
     batch_size: int = doc("Prompts generated together (left-padded).", 8)
     prompt: Optional[str] = doc("One prompt to answer (or pass --prompt).")
-    prompts_file: Optional[str] = doc("A file of prompts: one per line, or JSONL with a 'prompt' field "
-                                      "(or pass --prompts-file). Output is JSONL.")
-    messages_file: Optional[str] = doc("Conversations to continue with the assistant's next turn (or pass "
-                                       "--messages): a .json file of one ({\"messages\": [...]} or the list), or "
-                                       "JSONL of one per line, output as JSONL with the reply appended.")
+    prompts_file: Optional[PathName] = doc("A file of prompts: one per line, or JSONL with a 'prompt' field "
+                                           "(or pass --prompts-file). Output is JSONL.")
+    messages_file: Optional[PathName] = doc("Conversations to continue with the assistant's next turn (or pass "
+                                            "--messages): a .json file of one ({\"messages\": [...]} or the list), "
+                                            "or JSONL of one per line, output as JSONL with the reply appended.")
 
     def checks(self) -> list[Check]:
         return [
@@ -201,7 +250,7 @@ class TokenizerConfig(TextField, DataSource):
                                                      "common indentation runs are single tokens.")
     heldout_size: int = doc(f"Records held out of training for the statistics (every {HELDOUT_STRIDE}th record, "
                             f"up to this many); 0: no statistics.", 200)
-    output_dir: str = doc("Folder the tokenizer is saved to (save_pretrained).", "tokenizers/bpe")
+    output_dir: PathName = doc("Folder the tokenizer is saved to (save_pretrained).", "tokenizers/bpe")
 
     def checks(self) -> list[Check]:
         n_special = len(self.special_tokens)

@@ -23,12 +23,11 @@ precision). What this project adds on top, in the converter's own hooks (export/
 Families whose vocabulary the converter reads only from a SentencePiece model (Gemma 2, Phi-3; Llama 2 and Gemma 3
 when there is one) get the base model's tokenizer.model, which transformers 5 no longer saves with a tokenizer.
 
-What can be written (ARCHITECTURES x TYPES): every listed architecture in F32, F16, BF16 and Q8_0; Q4_0 and the
-k-quants for the architectures the installed quantizer knows (llama_cpp.QUANTIZER_ARCHITECTURES). Anything else is
-refused in one line that says what can be written, and so is a Gemma 3 configuration that llama.cpp would run
-otherwise than transformers (gemma3_difference). GPT-J is refused: llama.cpp names the architecture but has no
-graph for it (the name was reserved for GPT4All's own GPT-J backend, which GPT4All later dropped), and transformers
-has no GGUF reader for it.
+What can be written (ARCHITECTURES x TYPES): every listed architecture in every type, Q4_0 and the k-quants once
+llama.cpp's quantizer is installed (make install). Anything else is refused in one line that says what can be
+written, and so is a Gemma 3 configuration that llama.cpp would run otherwise than transformers (gemma3_difference).
+GPT-J is refused: llama.cpp names the architecture but has no graph for it (the name was reserved for GPT4All's own
+GPT-J backend, which GPT4All later dropped), and transformers has no GGUF reader for it.
 """
 
 from __future__ import annotations
@@ -87,11 +86,10 @@ def check_architecture(config: PretrainedConfig, dtype: str) -> None:
     if model_type == "gemma3_text" and (difference := gemma3_difference(config)):
         raise UserError(f"--format gguf: llama.cpp would run this Gemma 3 otherwise than transformers: {difference}; "
                         f"the released Gemma 3 text configurations export; use --format hf")
-    architecture = ARCHITECTURES[model_type]
-    if TYPES[dtype].quantize and architecture not in llama_cpp.QUANTIZER_ARCHITECTURES:
-        raise UserError(f"--dtype {dtype}: llama.cpp's quantizer installed here (gpt4all 2.8.2's, mid-2024) predates "
-                        f"{architecture}; for {model_type} write one of {', '.join(CONVERTER_TYPES)} (and quantize "
-                        f"it with a current llama-quantize)")
+    if TYPES[dtype].quantize and not llama_cpp.QUANTIZER_LIBRARY.is_file():
+        raise UserError(f"--dtype {dtype}: llama.cpp's quantizer is not installed ({llama_cpp.QUANTIZER_LIBRARY}); "
+                        f"install it with `bash scripts/install_llama_quantizer.sh {llama_cpp.QUANTIZER_DIR}` (make "
+                        f"install does, on Linux x86-64 with npm), or write one of {', '.join(CONVERTER_TYPES)}")
 
 
 def gemma3_difference(config) -> str | None:

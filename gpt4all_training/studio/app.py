@@ -1,18 +1,20 @@
 """The studio's HTTP side: the page (static files, package data) and the JSON API under /api/ that the page and
 scripts use alike, plus /files/ for what the page shows or downloads from the workdir.
 
-Every request passes the Guard first:
-- the Host header must name this machine when the studio binds a local address (a web page elsewhere cannot reach
-  it through a DNS name that resolves to 127.0.0.1), and a request that changes something must come from the
-  studio's own page when it says where it comes from (its Origin), so another site cannot post to it;
+Every request passes two guards first:
+- the browser checks, the same as `serve`'s (serving/guard.py): the Host header must name this machine (a web page
+  elsewhere cannot reach the studio through a DNS name that resolves to 127.0.0.1), and a request that changes
+  something must not come from another site's page (its Origin, or the browser's Sec-Fetch-Site), so another site
+  cannot post to it;
 - with an API key, /api/ and /files/ need it: `Authorization: Bearer KEY` from scripts, or the session cookie the
   page gets from POST /api/login (an EventSource, an <iframe> and a download link cannot send a header). The page's
-  own static files, which hold no data, load without it, so that it can ask for the key;
-- request bodies are bounded: uploads by --max-upload-mb, everything else by MAX_JSON_BYTES.
+  own static files, which hold no data, load without it, so that it can ask for the key; and request bodies are
+  bounded: uploads by --max-upload-mb, everything else by MAX_JSON_BYTES (a 413 in the studio's error shape, which
+  FastAPI's own limit answers in plain text).
 
 Errors are JSON `{"error": "error: <the CLI's line>"}`: 400 for a user's mistake (the same line the CLI prints),
-401 without the key, 403 for a path outside the workdir, 409 for a run that conflicts with a running one, 413 for a
-body too large.
+401 without the key, 403 for a path outside the workdir or a request the browser checks refuse, 409 for a run that
+conflicts with a running one or an upload to a name that is taken, 413 for a body too large.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,18 +37,22 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from gpt4all_training.config.fields import PathName
 from gpt4all_training.config.secrets import scrub
 from gpt4all_training.data.clean import Filters
 from gpt4all_training.errors import TrainingError, UserError
+from gpt4all_training.serving.guard import BrowserGuard, allowed_hosts
 from gpt4all_training.studio import actions
 from gpt4all_training.studio.chat import ChatModels, ChatRequest
-from gpt4all_training.studio.configs import EVAL_SUITE_DIR, form_schema, preset_values, presets, save_config
+from gpt4all_training.studio.configs import (EVAL_SUITE_DIR, form_schema, preset_values, presets, save_config,
+                                             saved_name)
 from gpt4all_training.studio.jobs import Jobs
 from gpt4all_training.studio.runs import Launch, RunConflict, Runs, accelerate_configs
-from gpt4all_training.studio.workdir import (CONFIGS_DIR, DATA_DIR, EXPORTS_DIR, MAPS_DIR, MODELS_DIR, OutsideWorkdir,
-                                             TooLarge, Workdir)
+from gpt4all_training.studio.workdir import (CONFIGS_DIR, DATA_DIR, EXPORTS_DIR, MAPS_DIR, MODELS_DIR, Exists,
+                                             OutsideWorkdir, Workdir)
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.checkpoint import FINAL_DIR, MARKER, checkpoint_dirs
 
@@ -55,11 +60,11 @@ log = logging.getLogger("gpt4all_training.studio")
 
 STATIC = files("gpt4all_training.studio") / "static"
 MAX_JSON_BYTES = 1 << 20
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+UPLOAD_PATH = "/api/upload"
 SESSION_COOKIE = "studio_session"
 OPEN_PATHS = ("/api/login",)
 EVENTS_POLL_S = 0.5
-STATUS = {OutsideWorkdir: 403, TooLarge: 413, RunConflict: 409}
+STATUS = {OutsideWorkdir: 403, RunConflict: 409, Exists: 409}
 
 
 @dataclass(frozen=True)
@@ -78,53 +83,33 @@ def error_response(status: int, message: str) -> JSONResponse:
 
 
 class Guard:
-    """ASGI middleware: the host and origin checks, the API key, and the bound on request bodies."""
+    """ASGI middleware: with an API key, /api/ and /files/ (but the login) need it, or a session cookie; and the
+    bound on request bodies."""
 
     def __init__(self, app, settings: StudioSettings, sessions: set[str]):
         self.app, self.settings, self.sessions = app, settings, sessions
-        self.local = settings.host in LOCAL_HOSTS
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        refusal = self.refusal(scope)
-        if refusal is not None:
-            response = error_response(*refusal)
+        headers = Headers(scope=scope)
+        if not self.allowed(scope["path"], headers):
+            response = error_response(401, "this studio needs its API key: send `Authorization: Bearer KEY`, or "
+                                           "log in on the page")
             return await response(scope, receive, send)
-        limit = self.settings.max_upload_bytes if scope["path"] == "/api/upload" else MAX_JSON_BYTES
-        return await self.app(scope, bounded(receive, limit), send)
+        limit = self.settings.max_upload_bytes if scope["path"] == UPLOAD_PATH else MAX_JSON_BYTES
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refused before a byte of it is read
+            return await error_response(413, too_large(scope["path"], self.settings))(scope, receive, send)
+        return await self.app(scope, bounded(receive, limit, too_large(scope["path"], self.settings)), send)
 
-    def refusal(self, scope) -> Optional[tuple[int, str]]:
-        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
-        host = headers.get("host", "")
-        if self.local and hostname(host) not in LOCAL_HOSTS:
-            return 403, f"host {host!r}: the studio answers requests for this machine only (127.0.0.1, localhost)"
-        origin = headers.get("origin")
-        if scope["method"] not in ("GET", "HEAD") and origin and netloc(origin) != host:
-            return 403, f"origin {origin!r}: requests that change something must come from the studio's own page"
-        path = scope["path"]
+    def allowed(self, path: str, headers: Headers) -> bool:
         if self.settings.api_key is None or path in OPEN_PATHS or not path.startswith(("/api/", "/files/")):
-            return None
+            return True
         given = headers.get("authorization", "")
         if hmac.compare_digest(given.encode(), f"Bearer {self.settings.api_key}".encode()):
-            return None
-        if session_of(headers.get("cookie", "")) in self.sessions:
-            return None
-        return 401, "this studio needs its API key: send `Authorization: Bearer KEY`, or log in on the page"
-
-
-def hostname(host_header: str) -> Optional[str]:
-    try:
-        return urlsplit(f"//{host_header}").hostname
-    except ValueError:  # not a host at all ("[::1" and the like)
-        return None
-
-
-def netloc(origin: str) -> Optional[str]:
-    try:
-        return urlsplit(origin).netloc
-    except ValueError:
-        return None
+            return True
+        return session_of(headers.get("cookie", "")) in self.sessions
 
 
 def session_of(cookie_header: str) -> Optional[str]:
@@ -135,31 +120,42 @@ def session_of(cookie_header: str) -> Optional[str]:
     return None
 
 
-def bounded(receive, limit: int):
-    """A receive that raises TooLarge once the body passes `limit` bytes (the app answers 413)."""
+def bounded(receive, limit: int, message: str):
+    """A receive that raises a 413 HTTPException (FastAPI passes those on to the app's handler, where it reads any
+    other exception of the body as a 400) once the body passes `limit` bytes."""
     size = 0
 
     async def receive_bounded():
         nonlocal size
-        message = await receive()
-        if message["type"] == "http.request":
-            size += len(message.get("body", b""))
+        received = await receive()
+        if received["type"] == "http.request":
+            size += len(received.get("body", b""))
             if size > limit:
-                raise TooLarge(f"the request body is larger than {limit:,} bytes")
-        return message
+                raise HTTPException(413, message)
+        return received
 
     return receive_bounded
 
 
+def too_large(path: str, settings: StudioSettings) -> str:
+    """The line for a body past its limit: the upload's, which --max-upload-mb sets, or every other request's."""
+    if path == UPLOAD_PATH:
+        return (f"upload: larger than the limit of {settings.max_upload_bytes:,} bytes; start the studio with a "
+                f"larger --max-upload-mb, or put the file in the workdir yourself")
+    return f"the request body is larger than {MAX_JSON_BYTES:,} bytes"
+
+
 # ---------------------------------------------------------------- request bodies
+# A field that names a file or folder of the workdir is typed PathName, as a config's are: tests plant paths outside
+# the workdir in each one the types mark (tests/hardening/test_studio_confinement.py).
 
 class LoginBody(BaseModel):
     key: str = Field(max_length=4096)
 
 
 class CleanBody(BaseModel):
-    inputs: list[str]
-    output_dir: str
+    inputs: list[PathName]
+    output_dir: PathName
     drop_ai_disclaimers: bool = False
     drop_refusals: bool = False
     min_response_chars: int = Field(0, ge=0)
@@ -168,9 +164,9 @@ class CleanBody(BaseModel):
 
 
 class DataBody(BaseModel):
-    config: str
-    model_name: str
-    dataset_path: str
+    config: str  # a preset's name, looked up among the presets (a saved config's is its path in the workdir)
+    model_name: PathName
+    dataset_path: PathName
     show: int = 3
 
 
@@ -180,12 +176,12 @@ class ConfigBody(BaseModel):
 
 
 class PlanBody(BaseModel):
-    config: str
+    config: PathName
     gpus: int = 1
 
 
 class LaunchBody(BaseModel):
-    config: str
+    config: PathName
     launcher: str = "python"
     accelerate_config: Optional[str] = None
     num_processes: Optional[int] = None
@@ -195,13 +191,13 @@ class LaunchBody(BaseModel):
 
 class MapBody(BaseModel):
     run: str
-    model: str
+    model: PathName
     layout: str = "umap"
 
 
 class CurateBody(BaseModel):
-    input: str
-    output: str
+    input: PathName
+    output: PathName
     ids: Optional[list[int]] = None
     keep_selected: bool = False
     near_duplicates: Optional[float] = None
@@ -210,17 +206,25 @@ class CurateBody(BaseModel):
 
 
 class EvalBody(BaseModel):
-    models: list[str]
+    models: list[PathName]
     tasks: list[str]
     name: str
     limit: Optional[int] = None
 
 
 class ExportBody(BaseModel):
-    source: str
-    to: str
+    source: PathName
+    to: PathName
     format: str
     dtype: Optional[str] = None
+
+
+def unsent(rows: list[dict[str, Any]], sent: int, after: int) -> list[dict[str, Any]]:
+    """The rows of metrics.jsonl a run's event stream has still to send: those past the first `sent` (sent before),
+    less those at or before step `after` (the page has them). Counted by place in the file, not by step: the rows a
+    step logs after its training row (validation, per-layer gradient norms) share its step and often land a poll
+    later."""
+    return [row for row in rows[sent:] if row.get("step", 0) > after]
 
 
 def suite_tasks() -> list[str]:
@@ -233,14 +237,16 @@ def suite_tasks() -> list[str]:
     return names
 
 
-def create_app(settings: StudioSettings) -> Guard:
+def create_app(settings: StudioSettings) -> BrowserGuard:
     """The studio over `settings.workdir`, which must be the current folder: the commands the pages show run from
     it, and the package functions read the same relative paths."""
     workdir = Workdir(settings.workdir)
     if Path.cwd().resolve() != workdir.root:
         raise UserError(f"the studio must run from its workdir {workdir.root} (it runs from {Path.cwd()})")
+    workdir.remove_partial_uploads()
     hidden = (settings.key_variable,) if settings.key_variable else ()
-    runs, jobs, chats = Runs(workdir, hidden), Jobs(), ChatModels(settings.chat_dtype, settings.device)
+    api_keys = (settings.api_key,) if settings.api_key else ()
+    runs, jobs, chats = Runs(workdir, hidden, api_keys), Jobs(), ChatModels(settings.chat_dtype, settings.device)
     sessions: set[str] = set()
 
     @contextlib.asynccontextmanager
@@ -271,6 +277,8 @@ def create_app(settings: StudioSettings) -> Guard:
 
     @app.exception_handler(HTTPException)
     async def http_error(_request, exc: HTTPException):
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body" says less
+            return error_response(400, "the request body is JSON nested too deeply to read")
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
@@ -303,7 +311,7 @@ def create_app(settings: StudioSettings) -> Guard:
         return response
 
     @app.get("/files/{name:path}")
-    async def workdir_file(name: str, download: bool = False):
+    async def workdir_file(name: PathName, download: bool = False):
         path = workdir.path(name)
         if not path.is_file():
             raise UserError(f"{name}: no such file in the workdir")
@@ -320,7 +328,7 @@ def create_app(settings: StudioSettings) -> Guard:
     @app.get("/api/files")
     def listing():
         """What the pickers offer: data files, configs, models (runs' final/ and checkpoints, model folders under
-        models/), maps and exports."""
+        models/), the packaged models every model picker offers besides, maps and exports."""
         models = workdir.listing(MODELS_DIR, folders=True)
         models = [m for m in models if (workdir.path(m) / "config.json").is_file()]
         for run in runs.list():
@@ -328,16 +336,16 @@ def create_app(settings: StudioSettings) -> Guard:
             models += [workdir.relative(path) for _, path in checkpoint_dirs(folder) if (path / MARKER).is_file()]
             if (folder / FINAL_DIR / MARKER).is_file():
                 models.append(workdir.relative(folder / FINAL_DIR))
+        maps = [workdir.relative(workdir.path(p).parent) for p in workdir.listing(MAPS_DIR, ("inference.parquet",))]
         return {"data": workdir.listing(DATA_DIR, (".jsonl",)), "configs": workdir.listing(CONFIGS_DIR, (".yaml",)),
-                "models": models, "maps": [workdir.relative(workdir.path(p).parent)
-                                           for p in workdir.listing(MAPS_DIR, ("inference.parquet",))],
+                "models": models, "packaged": actions.packaged_models(), "maps": maps,
                 "exports": workdir.listing(EXPORTS_DIR, (".gguf", ".safetensors"))}
 
     # ------------------------------------------------------------ data
 
-    @app.post("/api/upload")
-    async def upload(request: Request, path: str):
-        return await workdir.upload(path, request.stream(), settings.max_upload_bytes)
+    @app.post(UPLOAD_PATH)
+    async def upload(request: Request, path: PathName):
+        return await workdir.upload(path, request.stream())
 
     @app.post("/api/clean")
     def clean_data(body: CleanBody):
@@ -357,11 +365,11 @@ def create_app(settings: StudioSettings) -> Guard:
 
     @app.get("/api/presets")
     def preset(name: str):
-        return {"name": name, "values": preset_values(workdir, name)}
+        return {"name": name, "config_name": saved_name(name), "values": preset_values(workdir, name)}
 
     @app.post("/api/configs")
     def save(body: ConfigBody):
-        path, config = save_config(workdir, body.name, body.values)
+        path, config = save_config(workdir, body.name, body.values, api_keys)
         return {"path": path, "output_dir": config.output_dir,
                 "command": actions.command("train", "--config", path)}
 
@@ -400,16 +408,16 @@ def create_app(settings: StudioSettings) -> Guard:
         """Server-sent events: `metrics` (each new row of metrics.jsonl past step `after`) and `state` (the run's
         state when it changes); the stream ends once the run is no longer running."""
         folder = runs.folder(name)
+        await blocking(runs.info, name)  # a run the stream could not read is its one-line error, not a cut stream
 
         async def events():
-            sent, state = after, None
+            sent, state = 0, None
             while not await request.is_disconnected():
                 info = await blocking(runs.info, name)
                 logged = await blocking(read_metrics, folder / "metrics.jsonl")
-                rows = [row for row in logged if row.get("step", 0) > sent]
-                for row in rows:
+                for row in unsent(logged, sent, after):
                     yield f"event: metrics\ndata: {json.dumps(row)}\n\n"
-                sent = max([sent, *(row.get("step", 0) for row in rows if "loss" in row)])
+                sent = len(logged)
                 if info["state"] != state:
                     state = info["state"]
                     yield f"event: state\ndata: {json.dumps(info)}\n\n"
@@ -462,4 +470,4 @@ def create_app(settings: StudioSettings) -> Guard:
         return StreamingResponse(chats.stream(opened, ticket), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    return Guard(app, settings, sessions)
+    return BrowserGuard(Guard(app, settings, sessions), allowed_hosts(settings.host), error_response, log)

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Optional
 import torch
 from pydantic import BaseModel, Field
 
+from gpt4all_training.config.fields import PathName
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.decoding import Sampling
 from gpt4all_training.model.trained import DTYPES, open_model
@@ -38,7 +39,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    model: str
+    model: PathName
     messages: list[ChatMessage] = Field(min_length=1, max_length=200)
     max_tokens: int = Field(128, ge=1, le=MAX_TOKENS)
     temperature: float = Field(0.7, ge=0, le=2)

@@ -26,6 +26,7 @@ from gpt4all_training.model.isolation import check_isolation
 from gpt4all_training.model.loading import tokenizer_for
 from gpt4all_training.model.parameters import param_groups
 from gpt4all_training.paths import require_dataset
+from gpt4all_training.progress import progress as progress_bar
 from gpt4all_training.tracking.tracker import Tracker
 from gpt4all_training.training.checkpoint import Checkpointer, resume_point, resume_training
 from gpt4all_training.training.evaluate import Evaluator
@@ -35,17 +36,21 @@ from gpt4all_training.training.objectives import objective_for
 from gpt4all_training.training.objectives.protocol import TrainingObjective
 from gpt4all_training.training.optimizers import build_optimizer
 from gpt4all_training.training.precision import resolve_dtype
-from gpt4all_training.training.schedule import build_scheduler, total_optimizer_steps
+from gpt4all_training.training.schedule import build_scheduler, schedule_notes, total_optimizer_steps
 from gpt4all_training.training.step import train_step
 from gpt4all_training.training.stop import GracefulStop
 
 
-def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., Any]] = ()) -> dict[str, Any]:
-    """Train as `config` says; the run's summary (with "exit_code" when a signal stopped it with a checkpoint).
+def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., Any]] = (),
+          notes: Sequence[str] = ()) -> dict[str, Any]:
+    """Train as `config` says; the run's summary (with "exit_code" when a signal stopped it with a checkpoint, and
+    "already_finished" when output_dir's run had finished with this config, so nothing was trained).
     `backend` is built from the config when not given (the CLI gives it, to learn whether to exit hard after).
     `evaluators` build more components like the validation loss's, from (config, backend, tokenizer, total_steps,
-    log): the stages above training hand theirs in this way (the CLI, eval_tasks_every's harness scores)."""
-    config = resolve_dtype(config)  # the CLI resolved it already, before building its backend
+    log): the stages above training hand theirs in this way (the CLI, eval_tasks_every's harness scores). `notes`
+    are lines the caller has to say (the CLI's dtype line), said after the line that says where the run starts."""
+    said = list(notes)
+    config = resolve_dtype(config, said.append)  # the CLI resolved it already, before building its backend
     backend = backend or build_backend(config)
     log = backend.print
     torch.manual_seed(config.seed)
@@ -55,12 +60,17 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
                         "backward, before the step's loss is known; use 'stop'")
     objective: TrainingObjective = objective_for(config)  # the loop asks nothing of its checks face
     start = resume_point(config, backend, log)  # before the data: cheap, and its line is the first
+    if start.finished:  # its line said so; nothing is read or written
+        backend.end()
+        return {"already_finished": True}
+    for line in said:
+        log(line)
     assert config.dataset_path is not None  # validate() refuses a config without it
     require_dataset(config.dataset_path)  # a typo is one line now, not after the tokenizer has loaded
 
     tokenizer = tokenizer_for(config)
     check_max_length(config, tokenizer)  # before the minutes of tokenising
-    with backend.main_process_first():
+    with contextlib.nullcontext() if objective.prepares_once else backend.main_process_first():
         data = objective.load_data(config, tokenizer, log, backend.world_size)
     log(data.train_stats.describe("train"))
     log(data.val_stats.describe("validation"))
@@ -70,6 +80,8 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     model, optimizer, scheduler = prepare(model, config, backend, total_steps)
     objective.before_training(model, data, backend, tokenizer.pad_token_id, log)
     log(objective.steps_line(sampler, total_steps, config.num_epochs))
+    for note in schedule_notes(config, total_steps):  # plan's notes, said again where the run starts
+        log(f"note: {note}")
     state, lineage = resume_training(config, backend, model, optimizer, scheduler, sampler, start,
                                      data.fingerprint, log, objective)
 
@@ -85,8 +97,8 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
         checkpointer.rotate()
     grads_every = grad_norms_interval(config, backend)
     with contextlib.closing(tracker):  # closed however the run ends; finish_run closes it first on success
-        with progress_bar(total_steps, state.step, backend.is_main_process) as progress, GracefulStop() as stop, \
-                gc_frozen():
+        with progress_bar("training", total_steps, backend.is_main_process, unit="it", initial=state.step) \
+                as progress, GracefulStop() as stop, gc_frozen():
             model.train()
             while state.step < total_steps:
                 stop.last_step = state.step + 1 == total_steps
@@ -191,9 +203,3 @@ def gc_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def progress_bar(total: int, initial: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="training", dynamic_ncols=True)

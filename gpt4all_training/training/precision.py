@@ -15,7 +15,7 @@ import yaml
 from gpt4all_training.backends.precision import native_dtype
 from gpt4all_training.config.blocks import Dtype
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.training.checkpoint import CONFIG_FILE, checkpoint_dirs, read_run_id, saved_run_id
+from gpt4all_training.training.checkpoint import CONFIG_FILE, FINAL_DIR, checkpoint_dirs, read_run_id, saved_run_id
 
 CONCRETE_DTYPES = typing.get_args(Dtype)
 
@@ -39,7 +39,9 @@ def resolve_dtype(config: TrainConfig, log: Callable[[str], Any] = main_process_
 def resumed_dtype(config: TrainConfig) -> str | None:
     """The dtype saved with the checkpoint this run would continue (the newest of the run last started in
     output_dir, or checkpoint=PATH), read without verifying it: resume_point verifies the one it continues next,
-    and a run's checkpoints all hold the dtype it resolved. None when the run starts fresh."""
+    and a run's checkpoints all hold the dtype it resolved. Without one, final/'s: resume_point compares the config
+    with a finished run's, and the same command on another machine is the same run. None when the run starts
+    fresh."""
     if config.resume == "never":
         return None
     if config.checkpoint and config.checkpoint != "auto":
@@ -49,7 +51,8 @@ def resumed_dtype(config: TrainConfig) -> str | None:
         if run_id is None and "auto" not in (config.resume, config.checkpoint):
             return None
         folders = [f for _, f in checkpoint_dirs(config.output_dir) if run_id is None or saved_run_id(f) == run_id]
-        folder = folders[-1] if folders else None
+        final = Path(config.output_dir) / FINAL_DIR
+        folder = folders[-1] if folders else final if final.is_dir() else None
     try:
         saved = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8")) if folder else None
     except (OSError, yaml.YAMLError):

@@ -59,6 +59,26 @@ def learning_rate(step: int, config: Schedule, total_steps: int) -> float:
     return cosine_with_min_lr(step, config.lr, config.min_lr, config.warmup_steps, total_steps)
 
 
+def schedule_notes(config: Schedule, total_steps: int) -> list[str]:
+    """What of its schedule a run of `total_steps` never reaches, one line each: the one check `plan` prints as notes
+    and `train` prints at its start. A warmup that leaves no step to decay in (the rate only rises, or rises then
+    stays at lr), or gpt3's anneal ending after the last step."""
+    floor = ("end_lr", config.end_lr) if config.lr_schedule == "gpt3" else ("min_lr", config.min_lr)
+    if config.warmup_steps > 0 and config.warmup_steps >= total_steps - 1:
+        # 5-10% of the steps, and at most total_steps - 2 so that at least the last step decays
+        low, high = (max(0, min(math.ceil(share * total_steps), total_steps - 2)) for share in (0.05, 0.10))
+        suggested = (str(low) if low == high else f"{low}-{high}") + (" (5-10% of the steps)" if high else "")
+        return [f"warmup_steps {config.warmup_steps} leaves none of the run's {total_steps} optimiser steps to "
+                f"decay in: the learning rate rises to {learning_rate(total_steps - 1, config, total_steps):.3g} "
+                f"(lr is {config.lr:.3g}) and never comes down to {floor[0]} {floor[1]:.3g}; set "
+                f"warmup_steps={suggested}"]
+    if config.lr_schedule == "gpt3" and config.anneal_steps is not None \
+            and config.warmup_steps + config.anneal_steps > total_steps:
+        return [f"warmup_steps + anneal_steps = {config.warmup_steps + config.anneal_steps} is more than the "
+                f"{total_steps} steps: the run ends before end_lr"]
+    return []
+
+
 def total_optimizer_steps(steps_per_epoch: int, num_epochs: int, max_steps: int | None) -> int:
     """Optimizer steps of the whole run, across epochs: the one number the schedule, plan and loop share."""
     total = steps_per_epoch * num_epochs

@@ -50,3 +50,12 @@ export async function busy(page, button, action) {
 
 // The workdir's data files, configs, models, maps and exports (GET /api/files), for the pickers.
 export const listing = () => get("/api/files");
+
+// What a model picker offers ([value, label]): the packaged models by their short names, read from their package,
+// then the workdir's models (models/NAME/, runs' final/ and checkpoints).
+export function packagedOptions(files) {
+  return files.packaged.map(p => [p.name, `${p.name}: ${p.description}, packaged` +
+                                          (p.install ? `, not installed (${p.install})` : "")]);
+}
+
+export const modelOptions = files => [...packagedOptions(files), ...files.models];

@@ -26,6 +26,7 @@ class CausalLM:
     """"causal_lm": raw text cut into rows of max_length, every position trained but each row's first."""
 
     name = "causal_lm"
+    prepares_once = False
     dry_run_file = "check.jsonl"
     rows_per_example = 1
     reference_copies = 0

@@ -30,6 +30,7 @@ class DirectPreference:
     SimPO's per pair, and the step's loss their mean over its pairs."""
 
     name = "dpo"
+    prepares_once = True
     dry_run_file = "check_clean.jsonl"
     rows_per_example = 2  # prompt + chosen, prompt + rejected
     shows_examples = False

@@ -214,6 +214,7 @@ class GroupRelative:
     trained, and the group-relative clipped policy loss (see the module docstring)."""
 
     name = "grpo"
+    prepares_once = False
     dry_run_file = "check_clean.jsonl"
     shows_examples = False
 

@@ -37,6 +37,7 @@ from gpt4all_training.data.cache import entry_problem, load_arrays, write_arrays
 from gpt4all_training.data.pairs import REFERENCE_COLUMNS, fetch_pairs
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.loading import adapter_base, is_adapter_folder
+from gpt4all_training.progress import progress
 from gpt4all_training.training.evaluate import eval_batches
 from gpt4all_training.training.loss import sequence_logps
 
@@ -208,19 +209,23 @@ class PairValidation:
 # ---------------------------------------------------------------- precomputing the reference
 
 @torch.no_grad()
-def reference_logps(model, dataset, backend, batch_size: int, pad_id: int) -> np.ndarray:
+def reference_logps(model, dataset, backend, batch_size: int, pad_id: int, split: str) -> np.ndarray:
     """(pairs, 2) float32: each pair's chosen and rejected log-probabilities under `model`, every rank scoring its
-    share of each global batch (as validation shares them), then summed across ranks so every rank has them all."""
+    share of each global batch (as validation shares them), then summed across ranks so every rank has them all.
+    A "reference (`split`)" bar counts the global batches."""
     was_training = model.training
     model.eval()
     out = torch.zeros(len(dataset), 2, dtype=torch.float32, device=backend.device)
-    for indices, real in eval_batches(len(dataset), batch_size, backend.world_size, backend.rank, None):
-        batch = backend.to_device(fetch_pairs(dataset, indices, pad_id))
-        with backend.autocast():
-            logps = sequence_logps(model, batch).float()
-        if real:
-            out[indices] = torch.stack(logps.chunk(2), dim=1)
-        backend.step_boundary()
+    batches = eval_batches(len(dataset), batch_size, backend.world_size, backend.rank, None)
+    with progress(f"reference ({split})", len(batches), backend.is_main_process) as bar:
+        for indices, real in batches:
+            batch = backend.to_device(fetch_pairs(dataset, indices, pad_id))
+            with backend.autocast():
+                logps = sequence_logps(model, batch).float()
+            if real:
+                out[indices] = torch.stack(logps.chunk(2), dim=1)
+            backend.step_boundary()
+            bar.update(1)
     model.train(was_training)
     return backend.reduce(out).cpu().numpy()  # one rank holds each value, the others zeros: the sum is exact
 
@@ -265,7 +270,7 @@ def attach_reference(data, model, backend, config: TrainConfig, pad_id: int, ent
         arrays = load_arrays(folder)
         log(f"reference log-probabilities: cache hit ({folder})")
     else:
-        arrays = {name: reference_logps(model, split, backend, config.batch_size, pad_id)
+        arrays = {name: reference_logps(model, split, backend, config.batch_size, pad_id, name)
                   for name, split in (("train", data.train), ("validation", data.val))}
         saved = "not saved (the tokenized data is not cached)"
         if backend.is_main_process and folder is not None and entry is not None and entry_problem(entry) is None:

@@ -45,6 +45,10 @@ class TrainingObjective(Protocol):
     """What train() asks of an objective, in the order it asks. (The callables are read-only properties here so that
     an objective may hold any callable of that shape, a function or an object, as a plain attribute.)"""
     name: str
+    # load_data prepares under data/cache.py's file lock: one process per cache entry tokenizes while the others
+    # wait on the lock (no collective, so no timeout), then read its entry. False: train() lets the main process
+    # load first (filling datasets' caches) while the others wait in a collective.
+    prepares_once: bool
 
     @property
     def loss(self) -> Callable[[Any, Batch], torch.Tensor]:

@@ -43,6 +43,7 @@ class FineTuning:
     """"sft": prompt/response examples, padded (or packed) to their micro-batch, trained on the response."""
 
     name = "sft"
+    prepares_once = True
     dry_run_file = "check_clean.jsonl"
     rows_per_example = 1
     reference_copies = 0

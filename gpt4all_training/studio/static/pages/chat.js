@@ -1,7 +1,7 @@
 // Chat: a conversation with any final/ or checkpoint through the serving engine, the reply streamed as it is
 // decoded. The same model served for scripts: `gpt4all-training serve --model PATH` (OpenAI's API).
 import {postStream} from "../api.js";
-import {$, busy, el, listing, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
 
 let messages = [];
 
@@ -63,6 +63,6 @@ export function init() {
 }
 
 export async function show() {
-  setOptions($("chat-model"), (await listing()).models);
+  setOptions($("chat-model"), modelOptions(await listing()));
   updateCommand();
 }

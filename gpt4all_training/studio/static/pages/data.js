@@ -1,7 +1,7 @@
 // Data: upload a JSONL file, clean it (the report: kept and dropped by reason), then tokenize it as `data --show`
 // does, with every run of trained tokens highlighted (<mark class="trained">: what `data --show` puts between {+ +}).
 import {get, post, upload} from "../api.js";
-import {$, busy, el, listing, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
 
 function stem(path) {
   return path.split("/").pop().replace(/\.jsonl$/, "");
@@ -51,7 +51,7 @@ async function refresh() {
   const raw = files.data.filter(name => !name.endsWith("_clean.jsonl") && !name.endsWith("/curate_removed.jsonl"));
   setOptions($("clean-inputs"), raw);
   setOptions($("data-config"), form.presets);
-  setOptions($("data-model"), files.models);
+  setOptions($("data-model"), modelOptions(files));
   if (!$("data-config").value && form.presets.includes("configs/train/chat_tiny.yaml")) {
     $("data-config").value = "configs/train/chat_tiny.yaml";
   }

@@ -1,7 +1,7 @@
 // Export: `export` of a final/ or checkpoint as one GGUF file (with the chat template, for llama.cpp, GPT4All and
 // Ollama) or a slim HF folder, with a download link per file.
 import {runJob} from "../api.js";
-import {$, busy, el, listing, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
 
 function size(bytes) {
   const [unit, scale] = [["GB", 1e9], ["MB", 1e6], ["kB", 1e3]].find(([, s]) => bytes >= s) ?? ["bytes", 1];
@@ -11,9 +11,9 @@ function size(bytes) {
 function defaultTarget() {
   const source = $("export-source").value;
   if (!source) return;
-  const parts = source.split("/");
-  const run = parts.length > 1 ? parts[parts.length - 2] : parts[0];
-  $("export-to").value = `exports/${run}-${parts[parts.length - 1]}-${$("export-format").value}`;
+  // runs/NAME/final -> NAME-final; a packaged model's short name as it is
+  const stem = source.split("/").slice(-2).join("-");
+  $("export-to").value = `exports/${stem}-${$("export-format").value}`;
 }
 
 export function init() {
@@ -33,6 +33,6 @@ export function init() {
 }
 
 export async function show() {
-  setOptions($("export-source"), (await listing()).models);
+  setOptions($("export-source"), modelOptions(await listing()));
   if (!$("export-to").value) defaultTarget();
 }

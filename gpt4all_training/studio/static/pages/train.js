@@ -3,11 +3,12 @@
 // (server-sent events), with stop (SIGTERM: a checkpoint is written) and resume.
 import {get, post} from "../api.js";
 import {drawChart, formatNumber} from "../chart.js";
-import {$, busy, el, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
 
 const OPEN_BLOCKS = ["model", "data source", "LoRA", "schedule", "checkpoints"];
 let blocks = [];
 let current = null;  // the run shown: {name, rows, events}
+let maxSteps = null;  // the run shown's max_steps
 
 // ------------------------------------------------------------------ the form
 
@@ -20,7 +21,9 @@ function input(field) {
     return select;
   }
   const placeholder = field.required ? "required" : field.optional ? "(unset)" : "";
-  return el("input", {...attributes, type: "text", placeholder, size: field.kind === "str" ? 36 : 14});
+  // model_name suggests what the other pages' model pickers offer (any other name or path may be typed)
+  const suggestions = field.name === "model_name" ? {list: "model-choices"} : {};
+  return el("input", {...attributes, ...suggestions, type: "text", placeholder, size: field.kind === "str" ? 36 : 14});
 }
 
 function buildForm() {
@@ -29,22 +32,28 @@ function buildForm() {
     const details = el("details", {"data-block": name}, el("summary", {text: block.title}));
     if (OPEN_BLOCKS.includes(name)) details.open = true;
     for (const field of block.fields) {
+      // A field whose file is code the run will run (a reward module) says so where its value is typed.
+      const warning = field.warning ? [el("p", {class: "warning", id: `warning-${field.name}`, text: field.warning})]
+        : [];
       details.append(el("div", {class: "field"},
                         el("label", {for: `field-${field.name}`, text: field.name + (field.required ? " *" : "")}),
-                        input(field), el("small", {class: "doc", text: field.doc})));
+                        input(field), el("small", {class: "doc", text: field.doc}), ...warning));
     }
     return details;
-  }));
+  }), el("datalist", {id: "model-choices"}));
 }
 
 function setValue(field, value) {
   const element = $(`field-${field.name}`);
   if (field.kind === "bool") element.checked = Boolean(value);
   else if (value === null || value === undefined) element.value = "";
-  else if (field.kind === "dict") element.value = JSON.stringify(value);
+  else if (isJSON(field)) element.value = JSON.stringify(value);
   else if (Array.isArray(value)) element.value = value.join(", ");
   else element.value = String(value);
 }
+
+// A mapping, or a list of them (rewards), is typed as JSON.
+const isJSON = field => field.kind === "dict" || field.kind === "mappings";
 
 // The form's values as JSON: numbers where the text is one (the loader reads "5e-5" too), lists from commas,
 // empty as unset. The server's loader checks the rest and says what is wrong in the CLI's words.
@@ -55,7 +64,7 @@ function readValue(field) {
   if (text === "") return field.kind === "list" || field.kind === "choices" ? (field.optional ? null : []) : null;
   if (field.kind === "int" || field.kind === "float") return Number.isFinite(Number(text)) ? Number(text) : text;
   if (field.kind === "list" || field.kind === "choices") return text.split(",").map(s => s.trim()).filter(Boolean);
-  if (field.kind === "dict") {
+  if (isJSON(field)) {
     try {
       return JSON.parse(text);
     } catch {
@@ -75,9 +84,12 @@ export function fillForm(values) {
   for (const field of fields()) if (field.name in values) setValue(field, values[field.name]);
 }
 
+// A config saved from this form comes back under its name, with its own output_dir; a repository preset's run goes
+// under the name typed.
 async function loadPreset() {
-  const {values} = await get(`/api/presets?name=${encodeURIComponent($("train-preset").value)}`);
-  fillForm({...values, output_dir: `runs/${$("train-name").value}`});
+  const preset = await get(`/api/presets?name=${encodeURIComponent($("train-preset").value)}`);
+  if (preset.config_name) $("train-name").value = preset.config_name;
+  fillForm(preset.config_name ? preset.values : {...preset.values, output_dir: `runs/${$("train-name").value}`});
 }
 
 async function saveConfig() {
@@ -108,9 +120,12 @@ async function refreshRuns() {
   return runs;
 }
 
+// The charts and the step counter, both from the rows of metrics.jsonl received so far, so that they agree.
 function drawCharts() {
   const rows = current ? current.rows : [];
   const training = rows.filter(r => "loss" in r), validation = rows.filter(r => "val_loss" in r);
+  const step = training.length ? training[training.length - 1].step : 0;
+  $("run-step").textContent = maxSteps ? `${step} of ${maxSteps}` : String(step);
   const series = (key, list = training) => list.map(r => [r.step, r[key]]);
   drawChart($("chart-loss"), "loss", [{name: "train", color: "#1f77b4", points: series("loss")},
                                       ...(validation.length ? [{name: "validation", color: "#ff7f0e",
@@ -128,7 +143,7 @@ function showRun(info) {
   $("run-name").textContent = info.name;
   $("run-state").textContent = info.state;
   $("run-state").dataset.state = info.state;
-  $("run-step").textContent = info.max_steps ? `${info.step} of ${info.max_steps}` : String(info.step);
+  maxSteps = info.max_steps;
   $("run-stop").disabled = info.state !== "running";
   $("run-resume").disabled = !info.resumable;
   $("run-report").hidden = !info.report;
@@ -219,15 +234,16 @@ export async function show() {
     setOptions($("train-accelerate-config"), form.accelerate_configs, "(none)");
     await loadPreset();
   }
+  setOptions($("model-choices"), modelOptions(await listing()));
   const pending = JSON.parse(sessionStorage.getItem("studio-train"));  // from the map page's "Train on ..."
   if (pending) {
     sessionStorage.removeItem("studio-train");
-    $("train-name").value = pending.name;
     if (pending.config && [...$("train-preset").options].some(o => o.value === pending.config)) {
       $("train-preset").value = pending.config;
     }
     await loadPreset();
-    $("field-dataset_path").value = pending.dataset_path;
+    $("train-name").value = pending.name;  // a new run: not the one whose config it starts from
+    fillForm({output_dir: `runs/${pending.name}`, dataset_path: pending.dataset_path});
   }
   const runs = await refreshRuns();
   if (!current && runs.length) await openRun(runs[runs.length - 1].name);
