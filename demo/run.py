@@ -1,40 +1,47 @@
 """`make demo`: the whole pipeline on a real pretrained model, offline, on a CPU, in minutes.
 
-1. generate seeded two-round conversations (a system message, two tasks whose answers can be checked exactly;
-   demo/tasks.py), with a held-out split, and make the training split dirty: some conversations twice, some with a
-   wrong last answer;
+Every model is scored on the same held-out single tasks (120 by default, --test-tasks; exact match of its greedy
+answer), each score with its 95% interval and each stage against the one it started from as a paired difference
+with its interval and a verdict (gpt4all_training/intervals.py). `--seed N` draws every task, pair and prompt anew.
+
+1. generate, from the seed, the held-out tasks, two-round conversations (a system message, two tasks whose answers
+   can be checked exactly; demo/tasks.py) made dirty the way scraped data is (some twice, some with a wrong last
+   answer), preference pairs and candidate prompts for grpo;
 2. clean them with clean.py (conversations in OpenAI `messages` form);
-3. measure the base SmolLM2-135M-Instruct: exact match on both assistant turns (greedy, through its chat template),
-   and the offline lm-evaluation-harness suite (configs/eval) through `gpt4all-training eval`;
+3. measure the base SmolLM2-135M-Instruct;
 4. fine-tune it with LoRA (dtype auto: bf16 on a CPU with AMX or AVX512-BF16, else fp32) on every assistant turn
-   (demo/config.yaml) and merge the adapter;
-5. measure the fine-tuned model the same way;
-6. preference-tune the fine-tuned model (objective dpo, demo/dpo.yaml: a new LoRA adapter, the fine-tuned model as
-   its reference) on generated pairs, each task's correct answer chosen over a wrong one, and measure it again;
-7. reinforcement-learn from rewards (objective grpo, demo/grpo.yaml: a new LoRA adapter on the fine-tuned model):
-   sample answers to generated single tasks, reward the exact answer, and measure it again;
-8. score the training data with inference.py after fine-tuning and draw the map of it (coloured by loss);
-9. curate: drop near-duplicates (MiniLM embeddings) and the examples whose loss after training is highest, retrain
-   on what is left, and measure again;
-10. export the fine-tuned model as a GGUF file (chat template inside) and an Ollama Modelfile.
+   (demo/config.yaml), merge the adapter and measure it;
+5. preference-tune the fine-tuned model (objective dpo, demo/dpo.yaml: a new LoRA adapter, the fine-tuned model as
+   its reference) on pairs, each task's correct answer chosen over a wrong one; measure it, and the held-out
+   preference accuracy before and after;
+6. reinforcement-learn from rewards (objective grpo, demo/grpo.yaml: a new LoRA adapter on the fine-tuned model) on
+   the candidate prompts the fine-tuned model answers right sometimes but not always (so every group carries
+   signal), the exact answer rewarded; compare the mean reward of the run's first and last quarter, and measure it;
+7. score the training data with inference.py after fine-tuning (loss, and the curation scores) and draw its map;
+8. curate: drop near-duplicates (MiniLM embeddings) and the records the curation rule flags, count how many of the
+   planted wrong answers it found, retrain on what is left, and measure again;
+9. export the fine-tuned model as a GGUF file (chat template inside) and an Ollama Modelfile.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-from demo.tasks import exact_match, write_conversation_splits, write_preference_pairs, write_reward_prompts
+from demo.measure import measured, reward_quarters, success_counts
+from demo.tasks import (read_records, write_conversations, write_held_out_tasks, write_preference_pairs,
+                        write_records, write_reward_prompts)
+from gpt4all_training.intervals import Comparison, Interval, mean, paired, rise
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EVAL_TASKS = ("gpt4all_arithmetic_choice", "gpt4all_last_word", "gpt4all_exact_match")
-EVAL_LIMIT = 12  # examples per task: enough to see the change, kept small for the 15-minute budget
-GRPO_PROMPTS = 48  # prompts of the grpo stage, 4 a step: 12 steps, within the 15-minute budget
+# The rule curate drops by, on the scores inference writes (docs/demo.md says why this one).
+CURATION_RULE = "ifd>q0.9"
+PREVIOUS = {"fine-tuned": "base", "dpo": "fine-tuned", "grpo": "fine-tuned", "curated": "fine-tuned"}
 
 
 def smollm2_gguf() -> Path:
@@ -45,55 +52,56 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / GGUF_NAME
 
 
-def turn_accuracy(model_name: str, tokenizer, test: list[dict]) -> dict[str, object]:
-    """Exact match of the first and the second assistant turn (the second with the reference first answer in its
-    context), overall and per family of the second turn, with the second answers for printing."""
-    from gpt4all_training.generation.generate import generate_replies
-    from gpt4all_training.model.loading import load_model
-
-    model = load_model(model_name)  # fp32: CPUs without native bf16 (AVX2 only) emulate it, far slower
-    first = generate_replies(model, tokenizer, [r["messages"][:2] for r in test], 16, batch_size=20)
-    second = generate_replies(model, tokenizer, [r["messages"][:-1] for r in test], 16, batch_size=20)
-    del model
-    gc.collect()
-    hits_first = [exact_match(a, r["messages"][2]["content"]) for a, r in zip(first, test)]
-    hits_second = [exact_match(a, r["messages"][-1]["content"]) for a, r in zip(second, test)]
-    by_family: dict[str, list[bool]] = {}
-    for record, hit in zip(test, hits_second):
-        by_family.setdefault(record["source"], []).append(hit)
-    return {"first_turn": sum(hits_first) / len(test), "second_turn": sum(hits_second) / len(test),
-            "second_turn_by_family": {f: sum(h) / len(h) for f, h in sorted(by_family.items())},
-            "second_answers": second}
-
-
-def planted_wrong_answers(train_raw: Path, n_swapped: int) -> list[str]:
+def planted_wrong_answers(train_raw: Path, n_swapped: int) -> set[str]:
     """The conversations given a wrong last answer (the last `n_swapped` lines of the raw training file, see
-    demo.tasks.write_conversation_splits), as JSON of their messages."""
-    lines = train_raw.read_text().splitlines()
-    return [json.dumps(json.loads(line)["messages"]) for line in lines[len(lines) - n_swapped:]]
+    demo.tasks.write_conversations), as JSON of their messages."""
+    return {json.dumps(r["messages"]) for r in read_records(train_raw)[-n_swapped:]} if n_swapped else set()
 
 
-def harness_scores(model_name: str, out: Path) -> dict:
-    """The offline suite through lm-evaluation-harness, as `gpt4all-training eval` runs it."""
-    from gpt4all_training.evaluation.harness import EvalSettings, evaluate
-    from gpt4all_training.evaluation.results import write_results
+def by_family(tasks: list[dict], hits: list[bool]) -> dict[str, Interval]:
+    families: dict[str, list[bool]] = {}
+    for task, hit in zip(tasks, hits):
+        families.setdefault(task["source"], []).append(hit)
+    return {family: mean(values) for family, values in families.items()}
 
-    settings = EvalSettings(tasks=EVAL_TASKS, include_paths=("configs/eval",), limit=EVAL_LIMIT, batch_size=8,
-                            dtype="float32", device="cpu")
-    results = evaluate(model_name, settings)
-    write_results(results, out)
-    return results
+
+class Stages:
+    """Each model's per-task hits, and the figures of each stage as printed and as written to demo_result.json."""
+
+    def __init__(self, tasks: list[dict]) -> None:
+        self.tasks = tasks
+        self.hits: dict[str, list[bool]] = {}
+        self.result: dict[str, dict[str, Any]] = {}
+
+    def add(self, name: str, hits: list[bool]) -> None:
+        self.hits[name] = hits
+        score = mean(hits)
+        entry: dict[str, Any] = {"exact_match": score.as_dict(),
+                                 "by_family": {f: i.as_dict() for f, i in by_family(self.tasks, hits).items()}}
+        line = f"{name}: exact match {score.percent()} of {score.n} held-out tasks"
+        if name in PREVIOUS:
+            change = paired(self.hits[PREVIOUS[name]], hits)
+            entry["vs_previous"] = {"previous": PREVIOUS[name], **change.as_dict()}
+            line += f"; against {PREVIOUS[name]}: {change.points()}"
+        self.result[name] = entry
+        print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo_out", help="where everything is written (emptied first)")
+    parser.add_argument("--seed", type=int, default=0, help="draws every task, pair and prompt, and seeds training")
+    # The default keeps `make demo` within its 15 minutes on a 2-core AVX2-only CPU; 300 resolve a 10-point change
+    # (docs/demo.md gives the time and the scores of both).
+    parser.add_argument("--test-tasks", type=int, default=120, help="held-out tasks every model is scored on")
     parser.add_argument("--train-examples", type=int, default=160, help="clean training conversations")
-    parser.add_argument("--test-examples", type=int, default=40)
     parser.add_argument("--copies", type=int, default=16, help="training conversations planted twice")
     parser.add_argument("--swapped", type=int, default=16, help="training conversations given a wrong last answer")
     parser.add_argument("--dpo-pairs", type=int, default=48, help="preference pairs of the dpo stage")
-    parser.add_argument("--grpo-prompts", type=int, default=GRPO_PROMPTS, help="prompts of the grpo stage")
+    parser.add_argument("--grpo-candidates", type=int, default=24,
+                        help="prompts sampled with the fine-tuned model for the grpo stage")
+    parser.add_argument("--grpo-prompts", type=int, default=8,
+                        help="of those, the first ones answered right sometimes but not always, trained on")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="the trainings' dtype (auto: bf16 where the CPU computes in it natively, else fp32; "
                              "float32 trains as an AVX2-only CPU does)")
@@ -108,146 +116,181 @@ def main() -> None:
     from gpt4all_training.config.loader import load_config
     from gpt4all_training.config.schemas import InferenceConfig
     from gpt4all_training.data.clean import clean
-    from gpt4all_training.evaluation.results import comparison_table
     from gpt4all_training.export.hf import export
+    from gpt4all_training.model.decoding import Sampling
     from gpt4all_training.model.loading import load_model, load_tokenizer
-    from gpt4all_training.tracking.tracker import read_metrics
     from gpt4all_training.training.loop import train
 
     started = time.perf_counter()
+    seconds: dict[str, float] = {}
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)  # every run starts afresh, so `make demo` can be repeated
     gguf = smollm2_gguf()
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    # Each generator its own seed, all drawn from --seed; the trainings take it too (splits, adapters, sampling).
+    seeds = {name: 10 * args.seed + offset for offset, name in enumerate(("test", "train", "pairs", "prompts"))}
+    trained_with = [f"seed={args.seed}"]
 
-    step("1. generating two-round conversations (seeded), with planted copies and wrong answers", started)
-    train_raw, test_raw = write_conversation_splits(out, args.train_examples, args.test_examples, seed=0,
-                                                    n_copies=args.copies, n_swapped=args.swapped)
-    test = [json.loads(line) for line in test_raw.read_text().splitlines()]
-    print(f"{train_raw}: {args.train_examples} conversations + {args.copies} copies + {args.swapped} with a wrong "
-          f"last answer; {test_raw}: {len(test)} held out")
+    def step(title: str) -> None:
+        now = time.perf_counter() - started
+        if seconds:
+            last = list(seconds)[-1]
+            seconds[last] = round(now - seconds[last], 1)
+        seconds[title] = now
+        print(f"\n=== [{now:6.1f} s] {title}", flush=True)
 
-    step("2. clean.py", started)
+    step("1. data: held-out tasks, conversations (some copied, some with a wrong answer), pairs, prompts")
+    test_raw = write_held_out_tasks(out, args.test_tasks, seeds["test"])
+    tasks = read_records(test_raw)
+    held_out = {task["prompt"][-1]["content"] for task in tasks}
+    train_raw = write_conversations(out, args.train_examples, seeds["train"], held_out, args.copies, args.swapped)
+    pairs_raw = write_preference_pairs(out, args.dpo_pairs, seeds["pairs"], held_out)
+    candidates_raw = write_reward_prompts(out, args.grpo_candidates, seeds["prompts"], held_out, "candidates.jsonl")
+    print(f"{test_raw}: {len(tasks)} held-out tasks; {train_raw}: {args.train_examples} conversations + "
+          f"{args.copies} copies + {args.swapped} with a wrong last answer; {pairs_raw}: {args.dpo_pairs} pairs; "
+          f"{candidates_raw}: {args.grpo_candidates} candidate prompts")
+
+    step("2. clean.py")
     print_report(clean([str(train_raw)], out / "clean"))
+    print_report(clean([str(pairs_raw)], out / "pairs"))
 
-    step(f"3. the base model: {gguf.name}", started)
+    step(f"3. the base model: {gguf.name}")
     # transformers reads a GGUF (its metadata, its 49k-token vocabulary, the dequantized tensors) in Python, which
     # takes the better part of a minute on these CPUs: read it once, and let every later stage load the saved copy.
     base = out / "base"
     tokenizer = load_tokenizer(str(gguf))
     load_model(str(gguf)).save_pretrained(base)
     tokenizer.save_pretrained(base)
-    gc.collect()
-    before = turn_accuracy(str(base), tokenizer, test)
-    print(f"exact match: first turn {before['first_turn']:.1%}, second turn {before['second_turn']:.1%}")
-    eval_before = harness_scores(str(base), out / "eval" / "before")
+    stages = Stages(tasks)
+    stages.add("base", measured(base, tokenizer, tasks)[0])
 
-    step("4. fine-tuning with LoRA on every assistant turn", started)
-    overrides = [f"model_name={base}", f"dtype={args.dtype}"]
+    step("4. fine-tuning with LoRA on every assistant turn")
+    overrides = [f"model_name={base}", f"dtype={args.dtype}", *trained_with]
     config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'clean'}",
                                               f"output_dir={out / 'run'}"])
     summary = train(config)
     merged = out / "run" / "final" / "merged"
-
-    step("5. the fine-tuned model", started)
-    after = turn_accuracy(str(merged), tokenizer, test)
-    eval_after = harness_scores(str(merged), out / "eval" / "after")
-    print(comparison_table(eval_before, eval_after))
-    print(f"{'second question':58} | {'expected':14} | {'before':16} | after")
-    for record, old, new in list(zip(test, before["second_answers"], after["second_answers"]))[:8]:
-        print(f"{record['messages'][3]['content'][:58]:58} | {record['messages'][4]['content'][:14]:14} | "
-              f"{old.strip()[:16]!s:16} | {new.strip()[:16]}")
-
-    step("6. preference tuning (dpo) of the fine-tuned model: correct answers chosen over wrong ones", started)
-    held_out = {m["content"] for r in test for m in r["messages"] if m["role"] == "user"}
-    pairs_raw = write_preference_pairs(out, args.dpo_pairs, seed=1, held_out=held_out)
-    print_report(clean([str(pairs_raw)], out / "pairs"))
     dpo_config = load_config("demo/dpo.yaml", [f"model_name={merged}", f"dataset_path={out / 'pairs'}",
-                                               f"output_dir={out / 'dpo'}", f"dtype={args.dtype}"])
+                                               f"output_dir={out / 'dpo'}", f"dtype={args.dtype}", *trained_with])
+    hits, prefers_before = measured(merged, tokenizer, tasks, dpo_config.max_length)
+    stages.add("fine-tuned", hits)
+
+    step("5. preference tuning (dpo) of the fine-tuned model: correct answers chosen over wrong ones")
     dpo_summary = train(dpo_config)
-    preferred = turn_accuracy(str(out / "dpo" / "final" / "merged"), tokenizer, test)
-    print(f"held-out pairs ranked right (reward accuracy): {dpo_summary['val_rewards/accuracies']:.1%} of "
-          f"{dpo_summary['val_pairs']}; exact match, second turn: {after['second_turn']:.1%} before dpo, "
-          f"{preferred['second_turn']:.1%} after")
+    hits, prefers_after = measured(out / "dpo" / "final" / "merged", tokenizer, tasks, dpo_config.max_length)
+    stages.add("dpo", hits)
+    assert prefers_before is not None and prefers_after is not None  # measured with max_length
+    before, after = mean(prefers_before), mean(prefers_after)
+    preference = paired(prefers_before, prefers_after)
+    stages.result["dpo"].update({"preference_accuracy": after.as_dict(),
+                                 "preference_accuracy_before": before.as_dict(),
+                                 "preference_vs_previous": preference.as_dict(), "steps": dpo_summary["steps"]})
+    print(f"held-out preference accuracy (the correct answer more likely than the wrong one, {after.n} pairs): "
+          f"{before.percent()} fine-tuned, {after.percent()} after dpo: {preference.points()}")
 
-    step("7. reinforcement learning (grpo) of the fine-tuned model: the exact answer rewarded", started)
-    prompts_raw = write_reward_prompts(out, args.grpo_prompts, seed=2, held_out=held_out)
-    print_report(clean([str(prompts_raw)], out / "prompts", prompts=True))
+    step("6. reinforcement learning (grpo) of the fine-tuned model on prompts it sometimes answers right")
     grpo_config = load_config("demo/grpo.yaml", [f"model_name={merged}", f"dataset_path={out / 'prompts'}",
-                                                 f"output_dir={out / 'grpo'}"])
+                                                 f"output_dir={out / 'grpo'}", *trained_with])
+    candidates = read_records(candidates_raw)
+    model = load_model(str(merged)).eval()
+    counts = success_counts(model, tokenizer, candidates, grpo_config.num_generations,
+                            Sampling(grpo_config.temperature, grpo_config.top_p), grpo_config.max_completion_length,
+                            seed=args.seed)
+    del model
+    chosen = [c for c, k in zip(candidates, counts) if 0 < k < grpo_config.num_generations][:args.grpo_prompts]
+    print(f"of {len(candidates)} candidate prompts, {len(chosen)} kept: exact in some but not all of "
+          f"{grpo_config.num_generations} samples (right answers per candidate: {counts})")
+    if not chosen:
+        raise SystemExit(f"grpo: the fine-tuned model answered none of the {len(candidates)} candidate prompts right "
+                         f"in some but not all samples, so no group would carry a signal; give more candidates "
+                         f"(--grpo-candidates)")
+    prompts_raw = write_records(out / "raw" / "prompts.jsonl", chosen)
+    print_report(clean([str(prompts_raw)], out / "prompts", prompts=True))
     grpo_summary = train(grpo_config)
-    rewarded = turn_accuracy(str(out / "grpo" / "final" / "merged"), tokenizer, test)
-    grpo_rows = [r for r in read_metrics(out / "grpo" / "metrics.jsonl") if "reward" in r]
-    print(f"grpo: mean reward {grpo_rows[0]['reward']:.1%} at step 1, {grpo_rows[-1]['reward']:.1%} at step "
-          f"{grpo_rows[-1]['step']}; exact match, second turn: {after['second_turn']:.1%} before grpo, "
-          f"{rewarded['second_turn']:.1%} after")
+    first, last = reward_quarters(out / "grpo" / "metrics.jsonl")
+    first_quarter, last_quarter, reward_rise = mean(first), mean(last), rise(first, last, seed=args.seed)
+    stages.add("grpo", measured(out / "grpo" / "final" / "merged", tokenizer, tasks)[0])
+    stages.result["grpo"].update({
+        "steps": grpo_summary["steps"], "prompts": len(chosen), "candidates": len(candidates),
+        "reward_first_quarter": first_quarter.as_dict(), "reward_last_quarter": last_quarter.as_dict(),
+        "reward_rise": reward_rise.as_dict()})
+    print(f"grpo mean reward (exact answers among the samples), {len(first)} steps a quarter: first quarter "
+          f"{first_quarter.percent()}, last quarter {last_quarter.percent()}, rise {reward_rise.percent()}")
 
-    step("8. inference over the training data after fine-tuning, and the map", started)
-    # One pass, of the fine-tuned model: its per-example losses are what curate reads. (`build_map --compare` would
-    # colour the change from a second pass of the base model, which costs the time of a training run here.)
+    step("7. inference over the training data after fine-tuning (loss and curation scores), and the map")
     scored = out / "inference" / "after"
     run_inference(InferenceConfig(model_name=str(merged), tokenizer_name=str(base),
                                   dataset_path=str(out / "clean"), seed=config.seed, val_fraction=config.val_fraction,
                                   max_length=config.max_length, prompt_template="chat", batch_size=16,
-                                  output_dir=str(scored)))
+                                  output_dir=str(scored), ifd=True))
     map_result = build_map(scored, out / "map.html")
 
-    step("9. curate (near-duplicates, highest losses), retrain on the curated set", started)
-    report = curate(scored, out / "curated", CurateOptions(near_duplicates=0.99, loss_above=0.9))
-    print(f"curate: read {report['read']}, kept {report['kept']}, dropped {report['dropped']}")
+    step(f"8. curate (near-duplicates, then {CURATION_RULE}), retrain on the curated set")
+    report = curate(scored, out / "curated", CurateOptions(near_duplicates=0.99, drop=[CURATION_RULE]))
     planted = planted_wrong_answers(train_raw, args.swapped)
-    kept = {json.dumps(json.loads(line)["messages"]) for line in
-            (out / "curated" / "curated_clean.jsonl").read_text().splitlines()}
-    removed = sum(messages not in kept for messages in planted)
-    print(f"planted wrong answers removed: {removed} of {len(planted)}")
+    kept = {json.dumps(r["messages"]) for r in read_records(out / "curated" / "curated_clean.jsonl")}
+    read = {json.dumps(r["messages"]) for r in read_records(next((out / "clean").glob("*_clean.jsonl")))}
+    dropped = read - kept
+    found = len(planted & dropped)
+    curation = {"rule": CURATION_RULE, "read": report["read"], "kept": report["kept"],
+                "planted": {"dropped": found, "total": len(planted), "dropped_in_all": len(dropped),
+                            "precision": found / len(dropped) if dropped else float("nan"),
+                            "recall": found / len(planted) if planted else float("nan")}}
+    print(f"curate: read {report['read']}, kept {report['kept']}; dropped {len(dropped)}, of which {found} of the "
+          f"{len(planted)} planted wrong answers: precision {curation['planted']['precision']:.1%}, recall "
+          f"{curation['planted']['recall']:.1%}")
     curated_config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'curated'}",
                                                       f"output_dir={out / 'run_curated'}"])
     curated_summary = train(curated_config)
-    curated = turn_accuracy(str(out / "run_curated" / "final" / "merged"), tokenizer, test)
+    stages.add("curated", measured(out / "run_curated" / "final" / "merged", tokenizer, tasks)[0])
+    stages.result["curated"].update(curation)
 
-    step("10. export as GGUF (Q8_0) for GPT4All, llama.cpp and Ollama", started)
+    step("9. export as GGUF (Q8_0) for GPT4All, llama.cpp and Ollama")
     files = export(str(merged), str(out / "smollm2-135m-demo"), "gguf", "q8_0")
-    gguf = next(f for f in files if f.suffix == ".gguf")
+    exported = next(f for f in files if f.suffix == ".gguf")
 
-    step("done", started)
-    rows = (("base model", before), ("fine-tuned", after), ("fine-tuned, then dpo", preferred),
-            ("fine-tuned, then grpo", rewarded), ("fine-tuned on the curated set", curated))
-    print(f"exact match on {len(test)} held-out conversations:")
-    for name, result in rows:
-        print(f"  {name:30} first turn {result['first_turn']:6.1%}  second turn {result['second_turn']:6.1%}")
-    print("second turn by family (base -> fine-tuned -> dpo -> grpo -> curated):")
-    for family in after["second_turn_by_family"]:
-        print(f"  {family:16} " + " -> ".join(f"{r['second_turn_by_family'][family]:6.1%}" for _, r in rows))
+    step("done")
+    print_summary(stages, len(tasks))
     print(f"validation loss: fine-tuned {summary.get('val_loss', float('nan')):.4f}, curated "
           f"{curated_summary.get('val_loss', float('nan')):.4f} (each on its own held-out split)")
-    print(f"dpo: {dpo_summary['steps']} steps, held-out reward accuracy {dpo_summary['val_rewards/accuracies']:.1%}, "
-          f"margin {dpo_summary['val_rewards/margins']:.3f}; its loss curves and rewards: "
-          f"{out / 'dpo' / 'report.html'}")
-    print(f"grpo: {grpo_summary['steps']} steps, mean reward {grpo_rows[0]['reward']:.1%} -> "
-          f"{grpo_rows[-1]['reward']:.1%}, {sum(r['generation_seconds'] for r in grpo_rows):.0f} s of it sampling; "
-          f"its rewards, KL and completion lengths: {out / 'grpo' / 'report.html'}")
-    print(f"loss curves: {out / 'run' / 'report.html'}")
+    print(f"loss curves: {out / 'run' / 'report.html'}; dpo: {out / 'dpo' / 'report.html'}; grpo's rewards, KL and "
+          f"completion lengths: {out / 'grpo' / 'report.html'}")
     print(f"map of the training data (loss after fine-tuning): {map_result.html}")
     print(f"curation report: {out / 'curated' / 'curate_report.json'}")
-    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB), Modelfile beside it")
-    strip = ("second_answers",)
+    print(f"GGUF: {exported} ({exported.stat().st_size / 2**20:.1f} MiB), Modelfile beside it")
+    seconds.pop("done")
     (out / "demo_result.json").write_text(json.dumps({
-        "test_conversations": len(test),
-        "accuracy": {name: {k: v for k, v in r.items() if k not in strip} for name, r in rows},
-        "eval_before": eval_before.get("results"), "eval_after": eval_after.get("results"),
-        "curate": {"read": report["read"], "kept": report["kept"], "dropped": report["dropped"],
-                   "planted_wrong_answers_removed": removed, "planted_wrong_answers": len(planted)},
+        "seed": args.seed, "held_out_tasks": len(tasks), "stages": stages.result,
         "val_loss": summary.get("val_loss"), "curated_val_loss": curated_summary.get("val_loss"),
-        "dpo": {key: dpo_summary.get(key) for key in ("steps", "val_loss", "val_rewards/accuracies",
-                                                      "val_rewards/margins", "val_pairs")},
-        "grpo": {"steps": grpo_summary["steps"], "reward_first_step": grpo_rows[0]["reward"],
-                 "reward_last_step": grpo_rows[-1]["reward"]},
-        "seconds": round(time.perf_counter() - started, 1), "gguf": str(gguf), "map": str(map_result.html)},
-        indent=2, default=str))
+        "stage_seconds": seconds, "seconds": round(time.perf_counter() - started, 1), "gguf": str(exported),
+        "map": str(map_result.html)}, indent=2, default=str))
 
 
-def step(title: str, started: float) -> None:
-    print(f"\n=== [{time.perf_counter() - started:6.1f} s] {title}", flush=True)
+def print_summary(stages: Stages, n: int) -> None:
+    """Every model's exact match with its interval, each stage against the one it started from, each family."""
+    print(f"exact match on {n} held-out tasks, 95% intervals; each stage paired with the one it started from:")
+    for name, entry in stages.result.items():
+        score = Interval(**entry["exact_match"])
+        against = ""
+        if "vs_previous" in entry:
+            change = dict(entry["vs_previous"])
+            against = f"  vs {change.pop('previous')}: {Comparison(**change).points()}"
+        print(f"  {name:11} {score.percent():24}{against}")
+    families = list(stages.result["base"]["by_family"])
+    print(f"by family ({', '.join(stages.result)}):")
+    for family in families:
+        print(f"  {family:16} " + " -> ".join(f"{Interval(**e['by_family'][family]).value:6.1%}"
+                                             for e in stages.result.values()))
+    dpo, grpo, curated = stages.result["dpo"], stages.result["grpo"], stages.result["curated"]
+    print(f"dpo: held-out preference accuracy {Interval(**dpo['preference_accuracy_before']).percent()} -> "
+          f"{Interval(**dpo['preference_accuracy']).percent()}")
+    print(f"grpo: mean reward {Interval(**grpo['reward_first_quarter']).percent()} over the first quarter, "
+          f"{Interval(**grpo['reward_last_quarter']).percent()} over the last, rise "
+          f"{Interval(**grpo['reward_rise']).percent()}")
+    planted = curated["planted"]
+    print(f"curation ({curated['rule']}): {planted['dropped']} of {planted['total']} planted wrong answers dropped "
+          f"(recall {planted['recall']:.1%}), {planted['dropped_in_all']} dropped in all (precision "
+          f"{planted['precision']:.1%})")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""evaluation/intervals.py against values worked out by hand, and the per-example scores that results.json keeps."""
+"""intervals.py against values worked out by hand, and the per-example scores that results.json keeps."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ for preference tuning the rewards and the reward accuracy (training and validati
 rewards (each reward's too), the groups without signal, clipping, KL, entropy and completion lengths; learning rate,
 gradient norm, tokens per second, step time (batches, grpo's decoding, the update), padding fraction and peak memory;
 a panel whose metric was never logged is left out. Below the panels, the scores with their 95% intervals
-(evaluation/intervals.py): a preference run's held-out reward accuracy (Wilson, over its validation pairs) and, once
+(intervals.py): a preference run's held-out reward accuracy (Wilson, over its validation pairs) and, once
 `eval_tasks` has scored final/, every harness score of eval/results.json; then the run's summary.
 """
 
