@@ -206,3 +206,21 @@ def test_script_prints_one_line_without_traceback(tmp_path, script, text, overri
     result = subprocess.run([PYTHON, script, "--config", str(path), *overrides], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", message.format(path=path) + "\n")
+
+
+@pytest.mark.parametrize("entries, message", [
+    ([{"name": "bleu"}], "entry 1: no built-in reward is called 'bleu'; the built-in ones are exact_match, "
+                         "numeric_match, format, length_penalty (your own function: module and function)"),
+    ([{"module": "r.py"}], "entry 1: give name (one of exact_match, numeric_match, format, length_penalty), or module "
+                           "(a .py file) and function (the name of a function in it)"),
+    ([{"name": "exact_match", "tolerance": 1}],
+     "entry 1 (exact_match): unknown key 'tolerance'; it takes name, field, pattern, weight"),
+    ([{"module": "r.py", "function": "f", "field": "a"}],
+     "entry 1 (f): unknown key 'field'; it takes module, function, weight"),
+    ([{"name": "format", "pattern": "x"}, {"name": "format", "pattern": "y"}],
+     "format is named twice, so their metrics (rewards/format/mean) would mix; keep one"),
+])
+def test_a_reward_entry_is_refused_naming_the_entry_and_what_is_wrong(entries, message):
+    from gpt4all_training.config.blocks import reward_problem
+
+    assert reward_problem(entries, 16) == message

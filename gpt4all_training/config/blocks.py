@@ -306,22 +306,33 @@ BUILTIN_REWARDS = {"exact_match": ("field", "pattern"), "numeric_match": ("field
 USER_REWARD_KEYS = ("module", "function")
 
 
+def function_entry_problem(entry: dict, builtins: tuple[str, ...], kind: str, extra_keys: tuple[str, ...] = ()
+                           ) -> Optional[str]:
+    """What is wrong with one entry that names a built-in function (`name`, of `builtins`) or a user's own (module
+    and function): a reward, or inference's checker. None when its keys are right."""
+    name = entry.get("name")
+    if name is not None and name not in builtins:
+        return (f"no built-in {kind} is called {name!r}; the built-in ones are {', '.join(builtins)} (your own "
+                f"function: module and function)")
+    if name is None and not all(isinstance(entry.get(key), str) and entry[key] for key in USER_REWARD_KEYS):
+        named = " or ".join(builtins) if len(builtins) == 2 else f"one of {', '.join(builtins)}"
+        return f"give name ({named}), or module (a .py file) and function (the name of a function in it)"
+    allowed = (*(("name", *BUILTIN_REWARDS[name]) if name else USER_REWARD_KEYS), *extra_keys)
+    unknown = [key for key in entry if key not in allowed]
+    if unknown:
+        return f"unknown key {unknown[0]!r}; it takes {', '.join(allowed)}"
+    return None
+
+
 def reward_problem(entries: list[dict], max_completion_length: int) -> Optional[str]:
     """What is wrong with the `rewards` list, in words for its error line, or None."""
     names = []
     for number, entry in enumerate(entries, 1):
         builtin = entry.get("name")
-        if builtin is not None and builtin not in BUILTIN_REWARDS:
-            return (f"entry {number}: no built-in reward is called {builtin!r}; the built-in ones are "
-                    f"{', '.join(BUILTIN_REWARDS)} (your own function: module and function)")
-        if builtin is None and not all(isinstance(entry.get(key), str) and entry[key] for key in USER_REWARD_KEYS):
-            return (f"entry {number}: give name (one of {', '.join(BUILTIN_REWARDS)}), or module (a .py file) and "
-                    f"function (the name of a function in it)")
-        allowed = ("name", *BUILTIN_REWARDS[builtin]) if builtin else USER_REWARD_KEYS
-        unknown = [key for key in entry if key not in (*allowed, "weight")]
-        if unknown:
-            return f"entry {number} ({builtin or entry['function']}): unknown key {unknown[0]!r}; it takes " \
-                   f"{', '.join((*allowed, 'weight'))}"
+        problem = function_entry_problem(entry, tuple(BUILTIN_REWARDS), "reward", ("weight",))
+        if problem:
+            label = builtin if builtin in BUILTIN_REWARDS else entry.get("function")
+            return f"entry {number} ({label}): {problem}" if isinstance(label, str) else f"entry {number}: {problem}"
         problem = reward_value_problem(builtin, entry, max_completion_length)
         if problem:
             return f"entry {number} ({builtin or entry['function']}): {problem}"

@@ -15,11 +15,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
-from gpt4all_training.config.blocks import (BUILTIN_REWARDS, LOSS_TYPES, OBJECTIVE_DEFAULTS, USER_REWARD_KEYS, Batching,
+from gpt4all_training.config.blocks import (LOSS_TYPES, OBJECTIVE_DEFAULTS, Batching,
                                             Check, Checkpoints, DataSource, Evaluation, Examples, Faults, LoRA, Logging,
                                             ModelSource, Objective, Optimizer, Preference, PromptFormat, Publishing,
                                             Quantization, Rollouts, Schedule, TextField, TrainingCompute, at_least_one,
-                                            reward_value_problem)
+                                            function_entry_problem, reward_value_problem)
 from gpt4all_training.config.fields import LocalPath, PathName, doc
 
 # The tokenizer's end-of-text token: the first special token by default.
@@ -178,18 +178,8 @@ BUILTIN_CHECKERS = ("exact_match", "numeric_match")
 
 def checker_problem(entry: dict) -> Optional[str]:
     """What is wrong with inference's `checker`, in words for its error line, or None."""
-    name = entry.get("name")
-    if name is not None and name not in BUILTIN_CHECKERS:
-        return (f"no built-in checker is called {name!r}; the built-in ones are {', '.join(BUILTIN_CHECKERS)} (your "
-                f"own function: module and function)")
-    if name is None and not all(isinstance(entry.get(key), str) and entry[key] for key in USER_REWARD_KEYS):
-        return (f"give name ({' or '.join(BUILTIN_CHECKERS)}), or module (a .py file) and function (the name of a "
-                f"function in it)")
-    allowed = ("name", *BUILTIN_REWARDS[name]) if name else USER_REWARD_KEYS
-    unknown = [key for key in entry if key not in allowed]
-    if unknown:
-        return f"unknown key {unknown[0]!r}; it takes {', '.join(allowed)}"
-    return reward_value_problem(name, entry, max_completion_length=1)
+    return (function_entry_problem(entry, BUILTIN_CHECKERS, "checker")
+            or reward_value_problem(entry.get("name"), entry, max_completion_length=1))
 
 
 @dataclass
