@@ -229,8 +229,11 @@ def test_interrupted_run_leaves_the_previous_output_whole(tmp_path):
     os.mkfifo(fifo)
     out.mkdir()
     (out / "data_clean.jsonl").write_text("previous complete output\n")
+    # Ctrl-C's default restored in the child: a suite started in the background (`.ci/run &`) passes SIGINT on
+    # ignored, and Python then never turns it into KeyboardInterrupt.
     process = subprocess.Popen([PYTHON, "clean.py", str(fifo), "--output-dir", str(out)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         with open(fifo, "w", encoding="utf-8") as writer:  # blocks until clean.py opens the pipe
             for i in range(2000):
