@@ -17,6 +17,7 @@ from typing import AsyncIterator, TypeVar
 
 from gpt4all_training.config.fields import path_values
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import fsync_dir
 
 log = logging.getLogger("gpt4all_training.studio")
 
@@ -123,11 +124,13 @@ class Workdir:
                     size += len(chunk)
                     out.write(chunk)
                 out.flush()
+                os.fsync(out.fileno())  # the bytes on disk before the name points at them, as files.py writes
                 lines = jsonl_lines(Path(tmp), name)
                 try:
                     os.link(tmp, target)  # unlike a rename, never replaces what is there
                 except FileExistsError:
                     raise taken from None
+                fsync_dir(target.parent)
         finally:
             Path(tmp).unlink(missing_ok=True)
         return {"path": self.relative(target), "bytes": size, "lines": lines}
