@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from step_profile import shares_table  # noqa: E402
 
 ROWS = {"lora": ("smollm2", "ours-packed"), "lora-peft": ("smollm2", "ours-packed-peft-lora"),
         "full": ("smollm2-full", "ours-packed"), "trl-lora": ("smollm2", "trl-packed")}
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each run's timed steps (bench/step_profile.py) and print where a step's "
+                             "time and memory go, row against row; profiled runs are slower: time them without")
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     if set(rows) - set(ROWS):
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             result = harness.run_worker("train_throughput.py", [
                 "--worker", variant, "--model", kind, "--steps", str(args.steps), "--out", str(out),
                 "--dtype", args.dtype, "--threads", str(args.threads), "--lora-dropout", str(args.lora_dropout),
-                "--skip-eval"])
+                "--skip-eval", *(["--profile"] if args.profile else [])])
             results[row].append(result)
             print(f"  repeat {repeat + 1} {row}: {result['real_tokens_per_s']:,.1f} real tok/s, "
                   f"{result['cpu_seconds_per_step']:.2f} CPU s/step, peak {result['peak_memory_mb']:,.0f} MiB",
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1))
     print(table(results))
+    if args.profile:
+        print("\nWhere the time goes (shares of a profiled step):")
+        print(shares_table({row: runs for row, runs in results.items() if runs}))
     return 0
 
 

@@ -4,7 +4,7 @@ paired (gpt4all_training/intervals.py):
 - `preferences`: whether the model gives a held-out task's correct answer a higher log-probability than a wrong one
   (the held-out preference accuracy, with the pairs encoded and scored as dpo encodes and scores them);
 - `success_counts`: how many of k sampled answers to a prompt are exact (which prompts carry signal for grpo);
-- `reward_quarters`: grpo's per-step mean rewards over the first and the last quarter of its run.
+- `rewards_by_prompt`: each grpo prompt's mean reward in the first and in the last quarter of the run, paired.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from demo.tasks import exact_match
 from gpt4all_training.data.batching import collate
 from gpt4all_training.data.chat import encode_for_generation, end_of_turn_id
+from gpt4all_training.data.sampling import StepSampler
 from gpt4all_training.data.pairs import tokenize_message_pairs
 from gpt4all_training.model.decoding import Sampling, Sequence, decode_all, eos_token_ids
 from gpt4all_training.model.loading import load_model
@@ -87,8 +88,17 @@ def success_counts(model, tokenizer, prompts: list[dict], samples: int, sampling
             for i, p in enumerate(prompts)]
 
 
-def reward_quarters(metrics_file: Path) -> tuple[list[float], list[float]]:
-    """The mean rewards of the steps in the first and in the last quarter of a grpo run (metrics.jsonl)."""
-    rewards = [row["reward"] for row in read_metrics(metrics_file) if "reward" in row]
-    quarter = max(1, len(rewards) // 4)
-    return rewards[:quarter], rewards[-quarter:]
+def rewards_by_prompt(run_dir: Path, n_prompts: int, seed: int) -> tuple[list[float], list[float]]:
+    """Each prompt's mean reward (over its group of samples) in the first and in the last quarter of the grpo run in
+    `run_dir`, in the same prompt order, so that the rise is paired prompt by prompt: prompts differ in difficulty far
+    more than a run moves them. The run (demo/grpo.yaml) draws one prompt a step, in one process, in the order its
+    StepSampler gives for its seed, over four epochs: each quarter is one epoch, every prompt in it once."""
+    rewards = [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row]
+    sampler = StepSampler(n_prompts, batch_size=1, seed=seed)
+    drawn = [sampler.step_indices(step)[0][0] for step in range(len(rewards))]
+    quarter = len(rewards) // 4
+    first, last = dict(zip(drawn[:quarter], rewards[:quarter])), dict(zip(drawn[-quarter:], rewards[-quarter:]))
+    if quarter != n_prompts or not sorted(first) == sorted(last) == list(range(n_prompts)):
+        raise RuntimeError(f"{run_dir}: {len(rewards)} steps over {n_prompts} prompts are not four epochs of one "
+                           f"prompt a step; the quarters do not hold every prompt once")
+    return [first[p] for p in range(n_prompts)], [last[p] for p in range(n_prompts)]

@@ -16,10 +16,12 @@ with its interval and a verdict (gpt4all_training/intervals.py). `--seed N` draw
    preference accuracy before and after;
 6. reinforcement-learn from rewards (objective grpo, demo/grpo.yaml: a new LoRA adapter on the fine-tuned model) on
    the candidate prompts the fine-tuned model answers right sometimes but not always (so every group carries
-   signal), the exact answer rewarded; compare the mean reward of the run's first and last quarter, and measure it;
+   signal), the exact answer rewarded; compare each prompt's mean reward in the run's first and last quarter, and
+   measure it;
 7. score the training data with inference.py after fine-tuning (loss, and the curation scores) and draw its map;
-8. curate: drop near-duplicates (MiniLM embeddings) and the records the curation rule flags, count how many of the
-   planted wrong answers it found, retrain on what is left, and measure again;
+8. curate: drop near-duplicates (MiniLM embeddings) and the records the curation rule flags (the verifier's: a last
+   answer other than the one computed from its question), count how many of the planted wrong answers it found
+   (and how many the model's own best score would have), retrain on what is left, and measure again;
 9. export the fine-tuned model as a GGUF file (chat template inside) and an Ollama Modelfile.
 """
 
@@ -33,14 +35,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from demo.measure import measured, reward_quarters, success_counts
+from demo.measure import measured, rewards_by_prompt, success_counts
 from demo.tasks import (read_records, write_conversations, write_held_out_tasks, write_preference_pairs,
                         write_records, write_reward_prompts)
-from gpt4all_training.intervals import Comparison, Interval, mean, paired, rise
+from gpt4all_training.intervals import Comparison, Interval, mean, paired
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The rule curate drops by, on the scores inference writes (docs/demo.md says why this one).
-CURATION_RULE = "ifd>q0.9"
+# The rule curate drops by, on the scores inference writes: the verifier's (demo/tasks.py verified_answers), and the
+# best of the model's own scores, reported beside it (docs/demo.md says why these).
+CURATION_RULE = "verified<1"
+MODEL_RULE = "ifd>q0.9"
 PREVIOUS = {"fine-tuned": "base", "dpo": "fine-tuned", "grpo": "fine-tuned", "curated": "fine-tuned"}
 
 
@@ -56,6 +60,22 @@ def planted_wrong_answers(train_raw: Path, n_swapped: int) -> set[str]:
     """The conversations given a wrong last answer (the last `n_swapped` lines of the raw training file, see
     demo.tasks.write_conversations), as JSON of their messages."""
     return {json.dumps(r["messages"]) for r in read_records(train_raw)[-n_swapped:]} if n_swapped else set()
+
+
+def planted_found(clean_dir: Path, curated_dir: Path, planted: set[str]) -> dict[str, Any]:
+    """How many of the planted wrong answers curate dropped into `curated_dir`, and of all it dropped."""
+    kept = {json.dumps(r["messages"]) for r in read_records(curated_dir / "curated_clean.jsonl")}
+    read = {json.dumps(r["messages"]) for r in read_records(next(clean_dir.glob("*_clean.jsonl")))}
+    dropped = read - kept
+    found = len(planted & dropped)
+    return {"dropped": found, "total": len(planted), "dropped_in_all": len(dropped),
+            "precision": found / len(dropped) if dropped else float("nan"),
+            "recall": found / len(planted) if planted else float("nan")}
+
+
+def rise_entry(rise: Comparison) -> dict[str, Any]:
+    """grpo's reward rise as demo_result.json holds it: its value, interval, count and verdict."""
+    return {"value": rise.difference, "low": rise.low, "high": rise.high, "n": rise.n, "verdict": rise.verdict}
 
 
 def by_family(tasks: list[dict], hits: list[bool]) -> dict[str, Interval]:
@@ -207,38 +227,40 @@ def main() -> None:
     prompts_raw = write_records(out / "raw" / "prompts.jsonl", chosen)
     print_report(clean([str(prompts_raw)], out / "prompts", prompts=True))
     grpo_summary = train(grpo_config)
-    first, last = reward_quarters(out / "grpo" / "metrics.jsonl")
-    first_quarter, last_quarter, reward_rise = mean(first), mean(last), rise(first, last, seed=args.seed)
+    first, last = rewards_by_prompt(out / "grpo", len(chosen), grpo_config.seed)
+    first_quarter, last_quarter, reward_rise = mean(first), mean(last), paired(first, last, seed=args.seed)
     stages.add("grpo", measured(out / "grpo" / "final" / "merged", tokenizer, tasks)[0])
     stages.result["grpo"].update({
         "steps": grpo_summary["steps"], "prompts": len(chosen), "candidates": len(candidates),
         "reward_first_quarter": first_quarter.as_dict(), "reward_last_quarter": last_quarter.as_dict(),
-        "reward_rise": reward_rise.as_dict()})
-    print(f"grpo mean reward (exact answers among the samples), {len(first)} steps a quarter: first quarter "
-          f"{first_quarter.percent()}, last quarter {last_quarter.percent()}, rise {reward_rise.percent()}")
+        "reward_rise": rise_entry(reward_rise)})
+    print(f"grpo mean reward (exact answers among the samples) of the {len(first)} prompts, each once a quarter: "
+          f"first quarter {first_quarter.percent()}, last quarter {last_quarter.percent()}, rise paired by prompt "
+          f"{reward_rise.points()}")
 
     step("7. inference over the training data after fine-tuning (loss and curation scores), and the map")
     scored = out / "inference" / "after"
     run_inference(InferenceConfig(model_name=str(merged), tokenizer_name=str(base),
                                   dataset_path=str(out / "clean"), seed=config.seed, val_fraction=config.val_fraction,
                                   max_length=config.max_length, prompt_template="chat", batch_size=16,
-                                  output_dir=str(scored), ifd=True))
+                                  output_dir=str(scored), ifd=True,
+                                  verifier={"module": str(Path(__file__).with_name("tasks.py")),
+                                            "function": "verified_answers"}))
     map_result = build_map(scored, out / "map.html")
 
     step(f"8. curate (near-duplicates, then {CURATION_RULE}), retrain on the curated set")
     report = curate(scored, out / "curated", CurateOptions(near_duplicates=0.99, drop=[CURATION_RULE]))
     planted = planted_wrong_answers(train_raw, args.swapped)
-    kept = {json.dumps(r["messages"]) for r in read_records(out / "curated" / "curated_clean.jsonl")}
-    read = {json.dumps(r["messages"]) for r in read_records(next((out / "clean").glob("*_clean.jsonl")))}
-    dropped = read - kept
-    found = len(planted & dropped)
-    curation = {"rule": CURATION_RULE, "read": report["read"], "kept": report["kept"],
-                "planted": {"dropped": found, "total": len(planted), "dropped_in_all": len(dropped),
-                            "precision": found / len(dropped) if dropped else float("nan"),
-                            "recall": found / len(planted) if planted else float("nan")}}
-    print(f"curate: read {report['read']}, kept {report['kept']}; dropped {len(dropped)}, of which {found} of the "
-          f"{len(planted)} planted wrong answers: precision {curation['planted']['precision']:.1%}, recall "
-          f"{curation['planted']['recall']:.1%}")
+    found = planted_found(out / "clean", out / "curated", planted)
+    curate(scored, out / "curated_by_model", CurateOptions(drop=[MODEL_RULE]))
+    by_model = planted_found(out / "clean", out / "curated_by_model", planted)
+    curation = {"rule": CURATION_RULE, "read": report["read"], "kept": report["kept"], "planted": found,
+                "model_rule": MODEL_RULE, "model_rule_planted": by_model}
+    print(f"curate: read {report['read']}, kept {report['kept']}; dropped {found['dropped_in_all']}, of which "
+          f"{found['dropped']} of the {len(planted)} planted wrong answers: precision {found['precision']:.1%}, "
+          f"recall {found['recall']:.1%}; the model's scores alone ({MODEL_RULE}) would have found "
+          f"{by_model['dropped']} in {by_model['dropped_in_all']}: precision {by_model['precision']:.1%}, recall "
+          f"{by_model['recall']:.1%}")
     curated_config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'curated'}",
                                                       f"output_dir={out / 'run_curated'}"])
     curated_summary = train(curated_config)
@@ -284,13 +306,15 @@ def print_summary(stages: Stages, n: int) -> None:
     dpo, grpo, curated = stages.result["dpo"], stages.result["grpo"], stages.result["curated"]
     print(f"dpo: held-out preference accuracy {Interval(**dpo['preference_accuracy_before']).percent()} -> "
           f"{Interval(**dpo['preference_accuracy']).percent()}")
+    rise = grpo["reward_rise"]
     print(f"grpo: mean reward {Interval(**grpo['reward_first_quarter']).percent()} over the first quarter, "
-          f"{Interval(**grpo['reward_last_quarter']).percent()} over the last, rise "
-          f"{Interval(**grpo['reward_rise']).percent()}")
-    planted = curated["planted"]
-    print(f"curation ({curated['rule']}): {planted['dropped']} of {planted['total']} planted wrong answers dropped "
-          f"(recall {planted['recall']:.1%}), {planted['dropped_in_all']} dropped in all (precision "
-          f"{planted['precision']:.1%})")
+          f"{Interval(**grpo['reward_last_quarter']).percent()} over the last, rise paired by prompt "
+          f"{Comparison(rise['value'], rise['low'], rise['high'], rise['n'], rise['verdict']).points()}")
+    rules = ((curated["rule"], curated["planted"]), (curated["model_rule"], curated["model_rule_planted"]))
+    for rule, planted in rules:
+        print(f"curation ({rule}): {planted['dropped']} of {planted['total']} planted wrong answers dropped (recall "
+              f"{planted['recall']:.1%}), {planted['dropped_in_all']} dropped in all (precision "
+              f"{planted['precision']:.1%})" + ("" if rule == curated["rule"] else ": not applied, for comparison"))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,14 @@ def exact_match(prediction: str, answer: str) -> bool:
     return prediction.strip().rstrip(".") == answer
 
 
+def verified_answers(prompts: list, completions: list[str], completion_ids: list, messages: list[list[dict]],
+                     **fields) -> list[float]:
+    """inference's verifier for the demo's conversations: 1 where the last answer (the completion) is the right answer
+    to the last question, computed from the question itself (checkable.answer_of), else 0."""
+    return [float(exact_match(answer, checkable.answer_of(turns[-2]["content"]) or ""))
+            for answer, turns in zip(completions, messages)]
+
+
 def task_prompt(prompt: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 

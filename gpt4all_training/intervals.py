@@ -5,8 +5,6 @@
 - A mean of other per-item values: the percentile bootstrap of the mean.
 - Two models on the same items: the paired difference, after - before, item by item, with the percentile bootstrap
   of its mean. Pairing takes out how hard each item is, so the interval is far narrower than two separate ones.
-- A rise between two samples of different items (the first and the last quarter of a run): the difference of the
-  means with a bootstrap that resamples each sample on its own.
 
 Every bootstrap draws from a generator seeded with `seed`, so the same values always give the same interval.
 The verdict reads the interval: "better" when it lies wholly above zero, "worse" wholly below, else "no measurable
@@ -93,7 +91,7 @@ def mean(values: Sequence[float], seed: int = 0) -> Interval:
     data = np.asarray(values, dtype=np.float64)
     if len(data) and is_binary(data.tolist()):
         return proportion(int(data.sum()), len(data))
-    return Interval(float(data.mean()) if len(data) else math.nan, *bootstrap((data,), seed), len(data))
+    return Interval(float(data.mean()) if len(data) else math.nan, *bootstrap(data, seed), len(data))
 
 
 def paired(before: Sequence[float], after: Sequence[float], higher_is_better: bool = True,
@@ -104,16 +102,9 @@ def paired(before: Sequence[float], after: Sequence[float], higher_is_better: bo
         raise ValueError(f"a paired comparison needs the same items on both sides, got {len(before)} and "
                          f"{len(after)}")
     diff = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
-    low, high = bootstrap((diff,), seed)
+    low, high = bootstrap(diff, seed)
     return Comparison(float(diff.mean()) if len(diff) else math.nan, low, high, len(diff),
                       verdict(low, high, higher_is_better))
-
-
-def rise(first: Sequence[float], last: Sequence[float], seed: int = 0) -> Interval:
-    """mean(last) - mean(first) of two samples of different items, each resampled on its own; `n` counts both."""
-    a, b = np.asarray(first, dtype=np.float64), np.asarray(last, dtype=np.float64)
-    value = float(b.mean() - a.mean()) if len(a) and len(b) else math.nan
-    return Interval(value, *bootstrap((b, a), seed), len(a) + len(b))
 
 
 def verdict(low: float, high: float, higher_is_better: bool = True) -> str:
@@ -124,20 +115,12 @@ def verdict(low: float, high: float, higher_is_better: bool = True) -> str:
     return SAME
 
 
-def difference_of_means(*samples: np.ndarray, axis: int = -1) -> np.ndarray:
-    """The mean of one sample, or of the first less the mean of the second (vectorised, as scipy calls it)."""
-    if len(samples) == 1:
-        return samples[0].mean(axis=axis)
-    return samples[0].mean(axis=axis) - samples[1].mean(axis=axis)
-
-
-def bootstrap(samples: tuple[np.ndarray, ...], seed: int) -> tuple[float, float]:
-    """The percentile bootstrap interval of `difference_of_means(*samples)`; NaN where a sample has fewer than two
-    items."""
+def bootstrap(values: np.ndarray, seed: int) -> tuple[float, float]:
+    """The percentile bootstrap interval of the mean of `values`; NaN for fewer than two."""
     from scipy.stats import bootstrap as scipy_bootstrap
 
-    if any(len(s) < 2 for s in samples):
+    if len(values) < 2:
         return math.nan, math.nan
-    result = scipy_bootstrap(samples, difference_of_means, n_resamples=RESAMPLES, vectorized=True,
+    result = scipy_bootstrap((values,), np.mean, n_resamples=RESAMPLES, vectorized=True,
                              confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(seed))
     return float(result.confidence_interval.low), float(result.confidence_interval.high)

@@ -156,6 +156,19 @@ def test_the_backend_decides_whether_the_loss_may_chunk_the_head(tiny_model_dir,
     assert output_head(model) is None
 
 
+def test_the_backend_decides_whether_the_lora_layers_are_fused(tiny_model_dir, tokenizer, backend, capsys):
+    from gpt4all_training.model.lora import FusedLoraLinear
+
+    config = train_config(tiny_model_dir, lora=True)
+    assert any(isinstance(m, FusedLoraLinear) for m in built(config, tokenizer, backend, capsys)[0].modules())
+    backend.fuses_lora = False  # what a ZeRO-3 backend says
+    try:
+        model = built(config, tokenizer, backend, capsys)[0]
+    finally:
+        del backend.fuses_lora
+    assert not any(isinstance(m, FusedLoraLinear) for m in model.modules())
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_bf16_run_stores_a_lora_base_in_bf16_with_the_adapter_in_fp32(tiny_model_dir, tokenizer, backend, capsys,
                                                                         lora):

@@ -9,6 +9,7 @@ train_step) or train().
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -109,19 +110,21 @@ def hand_logps(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return (logp * mask).sum(1), mask.sum(1)
 
 
-def hand_loss(policy, reference, batch, loss_type: str, beta: float, smoothing: float, gamma: float):
+def hand_loss(policy, reference, batch, loss_type: str, beta: float, smoothing: float, gamma: float,
+              sft_weight: float = 0.0):
     pi, n = hand_logps(policy, batch)
     with torch.no_grad():
         ref = hand_logps(reference, batch)[0]
     half = len(pi) // 2
+    nll = -(pi[:half] / n[:half])  # the chosen answers' mean NLL per token (RPO's term)
     if loss_type == "ipo":
         d = (pi - ref)[:half] / n[:half] - (pi - ref)[half:] / n[half:]
-        return ((d - 1 / (2 * beta)) ** 2).mean()
+        return ((d - 1 / (2 * beta)) ** 2 + sft_weight * nll).mean()
     if loss_type == "simpo":
         d = beta * (pi[:half] / n[:half] - pi[half:] / n[half:]) - gamma
     else:
         d = beta * ((pi - ref)[:half] - (pi - ref)[half:])
-    return (-(1 - smoothing) * F.logsigmoid(d) - smoothing * F.logsigmoid(-d)).mean()
+    return (-(1 - smoothing) * F.logsigmoid(d) - smoothing * F.logsigmoid(-d) + sft_weight * nll).mean()
 
 
 def gradients(model) -> dict[str, torch.Tensor]:
@@ -194,14 +197,16 @@ def test_at_the_first_step_the_sigmoid_loss_is_ln2_and_the_rewards_are_zero(refe
 
 # ---------------------------------------------------------------- against a hand computation and TRL
 
-@pytest.mark.parametrize("loss_type, smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("simpo", 0.1)])
-def test_loss_and_gradients_equal_a_hand_computation(loss_type, smoothing, tiny_model_dir, tokenizer, pairs_dir,
-                                                     shared_cache, tmp_path):
+@pytest.mark.parametrize("loss_type, smoothing, sft_weight", [
+    ("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0), ("simpo", 0.1, 0.0), ("sigmoid", 0.0, 1.0),
+    ("ipo", 0.0, 0.5)])
+def test_loss_and_gradients_equal_a_hand_computation(loss_type, smoothing, sft_weight, tiny_model_dir, tokenizer,
+                                                     pairs_dir, shared_cache, tmp_path):
     from transformers import AutoModelForCausalLM
 
     config = dpo_config(tiny_model_dir, pairs_dir, tmp_path, cache_dir=str(shared_cache), loss_type=loss_type,
                         label_smoothing=smoothing, beta=2.0 if loss_type == "simpo" else 0.1,
-                        simpo_gamma=0.7 if loss_type == "simpo" else 0.5)
+                        simpo_gamma=0.7 if loss_type == "simpo" else 0.5, sft_weight=sft_weight)
     run = prepared(config, tokenizer)
     model = perturbed(run.model)
     batch = run.batch([0, 1, 2, 3])
@@ -210,7 +215,7 @@ def test_loss_and_gradients_equal_a_hand_computation(loss_type, smoothing, tiny_
     our_grads = gradients(model)
     model.zero_grad()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    theirs = hand_loss(model, reference, batch, loss_type, config.beta, smoothing, config.simpo_gamma)
+    theirs = hand_loss(model, reference, batch, loss_type, config.beta, smoothing, config.simpo_gamma, sft_weight)
     theirs.backward()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6) and abs(ours.item() - LN2) > 1e-3
     largest = max(g.abs().max().item() for g in our_grads.values())
@@ -224,30 +229,35 @@ def trl_dpo():
     return trl.DPOTrainer, trl.DPOConfig
 
 
+def trl_oracle(trl_dpo, model, model_dir, tokenizer, rows, tmp_path, **args):
+    """TRL's DPOTrainer on a copy of `model` (its reference the weights in `model_dir`), beta 0.3, over `rows` as text
+    pairs whose prompts are ours as the plain template writes them; `args`: more of DPOConfig."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    DPOTrainer, DPOConfig = trl_dpo
+    return DPOTrainer(
+        model=copy.deepcopy(model), ref_model=AutoModelForCausalLM.from_pretrained(model_dir),
+        args=DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.3, report_to=[], use_cpu=True, bf16=False,
+                       max_length=None, save_strategy="no", **args),
+        train_dataset=datasets.Dataset.from_dict({"prompt": [p + "\n" for p in rows["prompt"]],
+                                                  "chosen": rows["chosen"], "rejected": rows["rejected"]}),
+        processing_class=tokenizer)
+
+
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, trl_dpo, tiny_model_dir, tokenizer, pairs_dir,
                                                    shared_cache, tmp_path):
     """The same model, pairs and beta through TRL 1.16's own tokenization, collation and compute_loss. TRL's text
     pairs are prompt + completion with EOS, so its prompt is ours as the plain template writes it (prompt + newline):
     the token ids must then be the same, which the test checks first."""
-    import datasets
-    from transformers import AutoModelForCausalLM
-
-    DPOTrainer, DPOConfig = trl_dpo
     config = dpo_config(tiny_model_dir, pairs_dir, tmp_path, cache_dir=str(shared_cache), loss_type=loss_type,
                         beta=0.3, prompt_template="plain")
     run = prepared(config, tokenizer)
     model = perturbed(run.model)
     indices = [0, 1, 2, 3]
-    rows = run.data.train.select(indices)
-    oracle = DPOTrainer(
-        model=copy.deepcopy(model), ref_model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-        args=DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=0.3,
-                       loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False, max_length=None,
-                       save_strategy="no"),
-        train_dataset=datasets.Dataset.from_dict({"prompt": [p + "\n" for p in rows["prompt"]],
-                                                  "chosen": rows["chosen"], "rejected": rows["rejected"]}),
-        processing_class=tokenizer)
+    oracle = trl_oracle(trl_dpo, model, tiny_model_dir, tokenizer, run.data.train.select(indices), tmp_path,
+                        per_device_train_batch_size=4, loss_type=[loss_type])
     their_batch = oracle.data_collator([oracle.train_dataset[i] for i in range(4)])
     batch = run.batch(indices)
     assert torch.equal(their_batch["input_ids"], batch["input_ids"])
@@ -264,6 +274,32 @@ def test_loss_and_gradients_equal_trls_dpo_trainer(loss_type, trl_dpo, tiny_mode
     window = run.objective.window_metrics(run.backend)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert abs(window[name] - oracle._metrics["train"][name][-1]) < 1e-5, name
+
+
+def test_the_sft_term_equals_trls_sft_loss_pair_by_pair(trl_dpo, tiny_model_dir, tokenizer, pairs_dir,
+                                                       shared_cache, tmp_path):
+    """sft_weight 1 is TRL's loss_type [sigmoid, sft] with loss_weights [1, 1] (RPO). TRL averages its sft term over
+    a micro-batch's chosen tokens and this one over each pair's, so they agree pair by pair: TRL scores each pair as a
+    batch of its own, and the mean of those is this objective's loss over the four pairs."""
+    config = dpo_config(tiny_model_dir, pairs_dir, tmp_path, cache_dir=str(shared_cache), beta=0.3,
+                        prompt_template="plain", sft_weight=1.0)
+    run = prepared(config, tokenizer)
+    model = perturbed(run.model)
+    indices = [0, 1, 2, 3]
+    oracle = trl_oracle(trl_dpo, model, tiny_model_dir, tokenizer, run.data.train.select(indices), tmp_path,
+                        per_device_train_batch_size=1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0])
+    batch = run.batch(indices)
+    ours = run.objective.loss(model, batch) / 4
+    ours.backward()
+    theirs = sum(oracle.compute_loss(oracle.model.train(), oracle.data_collator([oracle.train_dataset[i]])) / 4
+                 for i in range(4))
+    theirs.backward()
+    assert abs(ours.item() - theirs.item()) < 1e-5
+    assert max_gap(gradients(model), gradients(oracle.model)) < 1e-5
+    loss = run.objective.loss
+    loss.settings = dataclasses.replace(loss.settings, sft_weight=0.0)
+    with torch.no_grad():
+        assert ours.item() - loss(model, batch).item() / 4 > 0.1  # the term is there, and a mean NLL is positive
 
 
 # ---------------------------------------------------------------- the step: every pair weighs the same
@@ -408,6 +444,8 @@ def test_message_pairs_are_conversations_trained_on_the_answer_only(chat_tokeniz
     (dict(objective="sft", beta=0.2), "beta: only objectives dpo and grpo read it; remove it"),
     (dict(loss_type="ipo", label_smoothing=0.1), "label_smoothing: ipo defines no label smoothing; set 0"),
     (dict(simpo_gamma=1.0), "simpo_gamma: only loss_type simpo reads it; remove it"),
+    (dict(objective="sft", sft_weight=1.0), "sft_weight: only objective dpo reads it; remove it or set objective: dpo"),
+    (dict(sft_weight=-1.0), "sft_weight: must be >= 0 (0: off)"),
     (dict(lora=True, reference="frozen_copy"),
      "reference: with LoRA the reference is the base model with the adapter disabled; leave reference unset"),
     (dict(loss_type="simpo", reference="precomputed"), "reference: simpo is reference-free; leave reference unset"),

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gpt4all_training.intervals import Comparison, Interval, mean, paired, proportion, rise, verdict
+from gpt4all_training.intervals import Comparison, Interval, mean, paired, proportion, verdict
 from gpt4all_training.evaluation.results import comparison_rows, comparison_table, interval_table, per_example
 
 Z = 1.959963984540054  # the standard normal's 97.5% quantile
@@ -60,16 +60,6 @@ def test_a_paired_difference_counts_only_the_items_that_changed():
     assert paired([1, 1, 0, 0, 0] + [0] * 35, [0, 0, 1, 1, 1] + [0] * 35).verdict == "no measurable difference"
     with pytest.raises(ValueError, match="same items"):
         paired([1, 0], [1])
-
-
-def test_a_rise_between_two_samples_resamples_each_on_its_own():
-    first, last = [0.25] * 10 + [0.5] * 10, [0.75] * 10 + [0.5] * 10
-    result = rise(first, last)
-    # 0.625 - 0.375; each mean's sd 0.125 / sqrt(20), the difference's sqrt(2) times that: 0.25 -+ 0.0775
-    assert result.value == pytest.approx(0.25) and result.n == 40
-    assert result.low == pytest.approx(0.25 - Z * 0.125 * math.sqrt(2 / 20), abs=0.01)
-    assert result.high == pytest.approx(0.25 + Z * 0.125 * math.sqrt(2 / 20), abs=0.01)
-    assert rise(last, first).high < 0
 
 
 def test_the_verdict_reads_the_interval():

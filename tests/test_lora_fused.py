@@ -122,3 +122,7 @@ def test_fused_lora_falls_back_to_peft_where_it_does_not_apply(tokenizer):
         merged = ours(ids).logits
         assert torch.equal(merged, theirs(ids).logits)
         assert torch.allclose(merged, fused_logits, atol=1e-5)
+    # A backend that partitions each module's weights (ZeRO-3: `fuses_lora` False) gets PEFT's own layers.
+    unfused = apply_lora(build_tiny_llama(tokenizer), 4, 8, 0.0, None, False, fused=False)
+    assert not any(isinstance(m, FusedLoraLinear) for m in unfused.modules())
+    assert any(type(m) is PeftLoraLinear for m in unfused.modules())

@@ -98,6 +98,7 @@ def test_a_quantized_base_trains_only_under_lora_and_each_setting_is_read(overri
 class PartitioningBackend:
     """What FSDP2 and ZeRO-3 tell model/build.py: their parameters are partitioned across the processes."""
     chunks_output_head = True
+    fuses_lora = False
     attends_per_example = True
     partitions_parameters = True
     quantized_storage = torch.float32

@@ -32,6 +32,16 @@ def longer_than_record(prompts, completions, completion_ids, response, source, *
     assert len(prompts) == len(completions) == len(completion_ids) == len(response) == len(source)
     return [float(len(c) > len(r)) for c, r in zip(completions, response)]
 """
+# A verifier that computes each sum from its prompt: it knows the right answer without any model.
+SUMS_VERIFIER = """
+import re
+
+
+def sum_is_right(prompts, completions, completion_ids, response, **columns):
+    assert completions == response and all(completion_ids)
+    sums = [sum(map(int, re.search(r"what is (\\d+) plus (\\d+)", p).groups())) for p in prompts]
+    return [float(c == f"It is {s}.") for c, s in zip(completions, sums)]
+"""
 
 
 def nll(model, ids: list[int], first: int) -> float:
@@ -80,10 +90,13 @@ def scored(tiny_model_dir, tokenizer, chat_tokenizer, tmp_path_factory):
         assert answer.strip(), "the fixture needs an answer that is not empty"
         records[i]["response"] = answer
     data = write_jsonl(root / "data" / "sums_clean.jsonl", records).parent
+    verifier = root / "verify.py"
+    verifier.write_text(SUMS_VERIFIER)
     config = validate(InferenceConfig(
         model_name=str(tiny_model_dir), dataset_path=str(data), output_dir=str(root / "out"), max_length=64,
         val_fraction=0.25, batch_size=4, num_proc=1, ifd=True, base_model=str(base), ifd_model=str(proxy),
-        checker={"name": "exact_match"}, checker_max_new_tokens=ANSWER_TOKENS))
+        checker={"name": "exact_match"}, checker_max_new_tokens=ANSWER_TOKENS,
+        verifier={"module": str(verifier), "function": "sum_is_right"}))
     table = pq.read_table(run_inference(config))
     rows = {row["index"]: row for row in table.to_pylist()}
     return rows, records, (model, load_model(str(base)).eval(), load_model(str(proxy)).eval()), root / "out"
@@ -163,6 +176,20 @@ def test_model_answer_is_the_greedy_decode_and_agreement_the_exact_match(scored,
         assert rows[index]["model_answer"] == answer
         assert rows[index]["agreement"] == float(answer.strip() == record["response"].strip())
     assert sorted(i for i, row in rows.items() if row["agreement"] == 1.0) == list(AGREEING)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_verified_checks_each_records_own_answer(scored, tmp_path):
+    """The verifier scores the record's response with no model: the nine sums answered right score 1, the three
+    answered as the model answers them 0; `curate --drop 'verified<1'` keeps exactly the nine."""
+    rows, records, _, out = scored
+    right = [i for i, record in enumerate(records) if record["response"] == f"It is {2 * i}."]
+    assert right == [i for i in range(12) if i not in AGREEING]
+    assert [rows[i]["verified"] for i in range(12)] == [float(i in right) for i in range(12)]
+    curate(out, tmp_path / "verified", CurateOptions(drop=["verified<1"]))
+    kept = read_jsonl(tmp_path / "verified" / "curated_clean.jsonl")
+    assert [r["response"] for r in kept] == [records[i]["response"] for i in right]
 
 
 @pytest.mark.integration
@@ -259,6 +286,8 @@ def test_response_alone_and_the_last_trained_turn():
     ("checker={name: exact_match, weight: 2}", "checker: unknown key 'weight'; it takes name, field, pattern"),
     ("checker={name: exact_match, pattern: '('}", "checker: pattern '(' is not a regular expression"),
     ("checker_max_new_tokens=0", "checker_max_new_tokens: must be at least 1, got 0"),
+    ("verifier={name: bleu}", "verifier: no built-in verifier is called 'bleu'; the built-in ones are exact_match, "
+                              "numeric_match (your own function: module and function)"),
     ("base_model=' '", "base_model: must name a model (or leave it unset), got ' '"),
 ])
 def test_config_mistakes_are_one_line_errors(override, message):

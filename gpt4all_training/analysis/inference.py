@@ -13,8 +13,8 @@ Per example:
 - `embedding`: the final hidden state at the last real token (`pooling: last`) or its mask-aware mean.
 - the scores the config asks for (analysis/scores.py says what each one is): `response_loss` and `ifd` (`ifd:
   true`), `base_loss` and `loss_change` (`base_model`), `proxy_ifd` (`ifd_model`), `model_answer` and `agreement`
-  (`checker`), `outlier` (`outliers: true`, the default). Each model scores the rank's share in its own pass, one
-  model in memory at a time: model_name, then base_model, then ifd_model.
+  (`checker`), `verified` (`verifier`), `outlier` (`outliers: true`, the default). Each model scores the rank's
+  share in its own pass, one model in memory at a time: model_name, then base_model, then ifd_model.
 
 A conversation (a record with `messages`) is scored as training labelled it: `loss` is the mean over the tokens of
 its trained assistant turns (every one, or the last with `train_turns: last`), and `embedding` pools over the whole
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from gpt4all_training.analysis.scores import (answer_agreement, load_checker, outlier_scores, ratio, response_only,
-                                              start_token)
+                                              start_token, verify_responses)
 from gpt4all_training.backends.accelerate import build_backend
 from gpt4all_training.config.schemas import InferenceConfig
 from gpt4all_training.config.secrets import redact
@@ -77,7 +77,7 @@ RESULT_COLUMNS = ("split", "loss", "n_tokens", "embedding")
 # The optional scores, in the order they are written, each with the config key that asks for it.
 SCORE_COLUMNS = {"response_loss": "ifd: true", "ifd": "ifd: true", "base_loss": "base_model",
                  "loss_change": "base_model", "proxy_ifd": "ifd_model", "model_answer": "checker",
-                 "agreement": "checker", "outlier": "outliers: true"}
+                 "agreement": "checker", "verified": "verifier", "outlier": "outliers: true"}
 # Every column inference adds to a record's fields.
 OUTPUT_COLUMNS = ("index", *RESULT_COLUMNS, *SCORE_COLUMNS)
 CHECK_ROWS = 16  # batches decoded per call to the decoder: a share's prompts are never all in memory at once
@@ -235,10 +235,10 @@ def about(key: str, name: Optional[str]) -> Iterator[None]:
         raise UserError(f"{key} {name}: {error}") from None
 
 
-def score_model(config: InferenceConfig, model, examples: Examples, share: np.ndarray, tokenizer, checker, backend
-                ) -> dict[str, Any]:
-    """model_name's pass over the share: loss, n_tokens and embedding; the response alone's loss (ifd) and the
-    checked greedy answers (checker) when asked for."""
+def score_model(config: InferenceConfig, model, examples: Examples, share: np.ndarray, tokenizer, checker, verifier,
+                backend) -> dict[str, Any]:
+    """model_name's pass over the share: loss, n_tokens and embedding; the response alone's loss (ifd), the checked
+    greedy answers (checker) and the verified responses (verifier) when asked for."""
     pad_id = tokenizer.pad_token_id
     with progress_bar(len(share), backend) as progress:
         results = score_positions(model, examples, share, config.batch_size, pad_id, config.pooling,
@@ -251,6 +251,9 @@ def score_model(config: InferenceConfig, model, examples: Examples, share: np.nd
                 config.batch_size, pad_id, backend.device, progress)
     if checker is not None:
         results.update(check_answers(model, tokenizer, examples, share, checker, config, backend))
+    if verifier is not None:
+        records = examples.dataset.select_columns(examples.record_columns)[share.tolist()]
+        results["verified"] = verify_responses(records, tokenizer, verifier)
     return results
 
 
@@ -497,8 +500,9 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         if config.base_model:
             check_base_model(config, tokenizer)
         # The user's checker runs (is imported) before the data and the models load: its mistakes surface at once.
-        checker = load_checker(config.checker, print if backend.is_main_process else lambda line: None) \
-            if config.checker else None
+        log = print if backend.is_main_process else lambda line: None
+        checker = load_checker(config.checker, log) if config.checker else None
+        verifier = load_checker(config.verifier, log, "verifier") if config.verifier else None
         # The main process fills the datasets cache alone; the others then read it instead of racing to write it.
         with backend.main_process_first():
             if backend.is_main_process:
@@ -523,7 +527,7 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         model = loaded(config.model_name, "model_name", config.model_revision, config.gguf_file)
         backend.wait_for_everyone()
         started, loading = time.perf_counter(), 0.0
-        results = score_model(config, model, examples, mine, tokenizer, checker, backend)
+        results = score_model(config, model, examples, mine, tokenizer, checker, verifier, backend)
         # One model in memory at a time: the next ones are arguments only, released when their pass returns.
         del model
         if config.base_model:

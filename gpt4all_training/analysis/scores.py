@@ -13,6 +13,9 @@ them. Every score is a column of inference.parquet that the map can colour by an
 - `model_answer`, `agreement`: the model's greedy answer to the record's prompt (every token before the last trained
   run of tokens, i.e. the conversation up to its last trained assistant turn), decoded by model/decoding.py, and a
   checker's score of it against the record (a grpo reward's signature: training/objectives/rewards.py).
+- `verified`: a verifier's score of the record's own response, called as a checker is but with that response as the
+  completion: no model involved. Where the right answer can be computed from the prompt (a solver, a unit test, a
+  reference field), it finds wrong labels however weak the model is.
 - `outlier`: scikit-learn's Local Outlier Factor of each embedding's PCA features (the map's), about 1 for an
   example as dense as its neighbours, higher the more isolated it is.
 """
@@ -83,15 +86,27 @@ def outlier_scores(embeddings: np.ndarray, seed: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- agreement with a checker
 
-def load_checker(entry: dict[str, Any], log: Callable[[str], Any]) -> Reward:
-    """The config's checker, ready to call: a built-in reward comparing with `response` unless `field` says
-    otherwise, or the user's function, imported now (before any model loads)."""
+def load_checker(entry: dict[str, Any], log: Callable[[str], Any], key: str = "checker") -> Reward:
+    """The config's checker (or verifier, `key`), ready to call: a built-in reward comparing with `response` unless
+    `field` says otherwise, or the user's function, imported now (before any model loads)."""
     if "name" in entry:
         return builtin_reward({"field": "response", **entry}, 1)
     reward = Reward(entry["function"], 1.0, entry["module"])
-    check_user_reward(reward, "checker")
-    load_user_reward(reward, log, "checker", "called once per batch of records")
+    check_user_reward(reward, key)
+    load_user_reward(reward, log, key, "called once per batch of records")
     return reward
+
+
+def verify_responses(records: dict[str, list], tokenizer, verifier: Reward) -> np.ndarray:
+    """The verifier's score of each record's own response (`records` holds the fields, one list per field)."""
+    if "response" not in records:
+        raise UserError(f"verifier: the records have no response field to verify (they have {', '.join(records)})")
+    responses = [text or "" for text in records["response"]]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in responses]
+    values, problem = score([verifier], records.get("prompt", [None] * len(responses)), responses, ids, records)
+    if problem:
+        raise UserError(f"verifier: {problem}")
+    return values[:, 0]
 
 
 def answer_agreement(model, tokenizer, rows: list[Row], records: dict[str, list], checker: Reward,

@@ -4,9 +4,9 @@
 CPUs), `DeepSpeedBackend` (backends/deepspeed.py), `FsdpBackend` (backends/fsdp.py) and `XlaBackend`
 (backends/xla.py) where those differ. Nothing outside backends/ asks which one it has (tests/test_imports.py
 forbids it); it asks what the backend supports (`supports_nan_skip`, `supports_grad_norms`, `engine_saves_state`,
-`partitions_parameters`, `samples_in_lockstep`, `chunks_output_head`, `attends_per_example`, `shards_quantized_base`,
-`exit_hard`), the storage dtype of a 4-bit base (`quantized_storage`) and how big a parameter is (`parameter_shape`,
-`held_elements`).
+`partitions_parameters`, `samples_in_lockstep`, `chunks_output_head`, `fuses_lora`, `attends_per_example`,
+`shards_quantized_base`, `exit_hard`), the storage dtype of a 4-bit base (`quantized_storage`) and how big a
+parameter is (`parameter_shape`, `held_elements`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class Backend:
     # The loss may select the trained positions and project only them through the output head, chunk by chunk
     # (training/loss.py): the head's weight is whole in this process, and a batch may take data-dependent shapes.
     chunks_output_head = True
+    # LoRA layers may run model/lora.py's fused node, which reads the base's and the adapter's weights directly
+    # instead of calling their modules: every weight must be whole whenever its layer runs.
+    fuses_lora = True
     # Whether this backend can partition a quantized (bitsandbytes 4-bit) base across its ranks; where it partitions
     # parameters and cannot, model/build.py refuses a quantized base.
     shards_quantized_base = False

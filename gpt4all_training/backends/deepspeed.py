@@ -122,6 +122,8 @@ class DeepSpeedBackend(Backend):
         # A ZeRO-3 head's weight is a partition that only the head's own forward gathers: the loss calls the whole
         # head instead of reading its weight.
         self.chunks_output_head = not self.partitions_parameters
+        # The same for a LoRA layer's linear modules: the fused node, which calls none of them, would read partitions.
+        self.fuses_lora = not self.partitions_parameters
         # ZeRO-3 partitions a 4-bit base as any parameter when its packed weights are stored in the dtype the engine
         # holds parameters in (it casts every floating one to it), and gathers them byte for byte; each layer's
         # quantization constants stay whole on its module. ZeRO-1/2 keep bitsandbytes' uint8, which no cast touches.

@@ -286,6 +286,12 @@ class Preference(Block):
     label_smoothing: float = doc("sigmoid, simpo: the share of pairs assumed to be labelled the wrong way round "
                                  "(conservative DPO); 0: off.", 0.0)
     simpo_gamma: float = doc("simpo: the target reward margin between the chosen and the rejected answer.", 0.5)
+    sft_weight: float = doc(
+        "dpo: the weight of a language-modelling term added to each pair's loss, the chosen answer's mean "
+        "negative log-likelihood per token: RPO (Pang et al. 2024, weight 1.0), which keeps DPO from lowering the "
+        "chosen answer's likelihood along with the rejected one's when the two share most of their tokens. TRL: "
+        "loss_type [sigmoid, sft] with loss_weights [1, sft_weight] (its sft term averages over a micro-batch's "
+        "tokens, this one over each pair's, so every pair weighs the same whatever the batch); 0: off.", 0.0)
     reference: Optional[Literal["precomputed", "frozen_copy"]] = doc(
         "Full fine-tuning with sigmoid or ipo: where the reference log-probabilities come from. Unset or "
         "'precomputed': one pass of the initial weights over the pairs before step 1, cached with the tokenized "
@@ -296,7 +302,8 @@ class Preference(Block):
         allowed="'precomputed', 'frozen_copy' or unset")
 
     def checks(self) -> list[Check]:
-        return [Check("label_smoothing", 0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)")]
+        return [Check("label_smoothing", 0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)"),
+                Check("sft_weight", self.sft_weight >= 0, "must be >= 0 (0: off)")]
 
 
 # The rewards built in, each with the keys it takes besides `weight` (see training/objectives/rewards.py), and the

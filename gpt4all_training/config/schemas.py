@@ -99,6 +99,7 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
                   "ipo defines no label smoothing; set 0"),
             Check("simpo_gamma", self.simpo_gamma == defaults.simpo_gamma or dpo and self.loss_type == "simpo",
                   "only loss_type simpo reads it; remove it"),
+            Check("sft_weight", dpo or self.sft_weight == defaults.sft_weight, unread),
             Check("reference", self.reference is None or dpo or grpo and self.reference == "frozen_copy",
                   "grpo samples new completions at every step, so nothing can be precomputed; leave reference unset"
                   if grpo else unread),
@@ -155,12 +156,18 @@ class InferenceConfig(PromptFormat, Examples, DataSource, ModelSource):
         "reward is (prompts, completions, completion_ids and every record field as keyword lists), returning one "
         "number per record. One decode per example: leave unset to skip it.")
     checker_max_new_tokens: int = doc("checker: the most tokens decoded per answer.", 64)
+    verifier: Optional[Annotated[dict, LocalPath(keys=("module",), runs_code=True)]] = doc(
+        "Also write verified: a verifier's score of each record's own response, no model involved. Given as checker "
+        "is and called as it is, with the record's response as the completion: a function that computes the right "
+        "answer from the prompt (or runs the code, or reads a reference field) and scores the response against it. "
+        "`curate --drop 'verified<1'` then drops the records whose answer is wrong.")
     outliers: bool = doc("Also write outlier: each example's Local Outlier Factor (scikit-learn, 20 neighbours) on "
                          "its embedding's PCA features, the map's; about 1 inside a cluster, higher the more "
                          "isolated.", True)
 
     def checks(self) -> list[Check]:
-        checker = checker_problem(self.checker) if self.checker is not None else None
+        checker = checker_problem(self.checker, "checker") if self.checker is not None else None
+        verifier = checker_problem(self.verifier, "verifier") if self.verifier is not None else None
         return [Check("batch_size", self.batch_size >= 1, "must be at least 1"),
                 Check("output_dir", bool(self.output_dir.strip()),
                       "must name a folder (empty would write into the current folder)"),
@@ -169,16 +176,17 @@ class InferenceConfig(PromptFormat, Examples, DataSource, ModelSource):
                 Check("ifd_model", self.ifd_model is None or bool(self.ifd_model.strip()),
                       "must name a model (or leave it unset)"),
                 Check("checker", checker is None, str(checker), got=False),
-                Check("checker_max_new_tokens", self.checker_max_new_tokens >= 1, "must be at least 1")]
+                Check("checker_max_new_tokens", self.checker_max_new_tokens >= 1, "must be at least 1"),
+                Check("verifier", verifier is None, str(verifier), got=False)]
 
 
 # The rewards that compare an answer with a record field, which a checker can be.
 BUILTIN_CHECKERS = ("exact_match", "numeric_match")
 
 
-def checker_problem(entry: dict) -> Optional[str]:
-    """What is wrong with inference's `checker`, in words for its error line, or None."""
-    return (function_entry_problem(entry, BUILTIN_CHECKERS, "checker")
+def checker_problem(entry: dict, key: str) -> Optional[str]:
+    """What is wrong with inference's `checker` or `verifier` (`key`), in words for its error line, or None."""
+    return (function_entry_problem(entry, BUILTIN_CHECKERS, key)
             or reward_value_problem(entry.get("name"), entry, max_completion_length=1))
 
 

@@ -8,7 +8,8 @@ Standard library only: lm-evaluation-harness imports the suite, and with it this
 from __future__ import annotations
 
 import random
-from typing import Callable
+import re
+from typing import Callable, Optional
 
 WORDS = ("apple", "river", "garden", "planet", "window", "silver", "dragon", "pencil", "forest", "castle",
          "rocket", "violin", "marble", "harbor", "lantern", "meadow", "tiger", "cookie", "bridge", "summer",
@@ -49,3 +50,24 @@ def sort_numbers(rng: random.Random) -> tuple[str, str]:
 FAMILIES: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "arithmetic": arithmetic, "unit_conversion": unit_conversion, "reverse_word": reverse_word,
     "sort_numbers": sort_numbers}
+
+
+# Each family's prompt, read back: what answer_of solves.
+ASKED = (
+    (re.compile(r"What is (\d+) ([+-]) (\d+)\?"),
+     lambda m: str(int(m[1]) + int(m[3]) if m[2] == "+" else int(m[1]) - int(m[3]))),
+    (re.compile(r"Convert (\d+) (\w+) to (\w+)\."),
+     lambda m: next((str(int(m[1]) * f) for big, small, f in UNITS if (big, small) == (m[2], m[3])), None)),
+    (re.compile(r"Reverse the letters of the word '(\w+)'\."), lambda m: m[1][::-1]),
+    (re.compile(r"Sort these numbers in ascending order: ([\d, ]+)\."),
+     lambda m: ", ".join(map(str, sorted(int(n) for n in m[1].split(", "))))),
+)
+
+
+def answer_of(prompt: str) -> Optional[str]:
+    """The right answer to a prompt of one of the families, computed from the prompt itself; None for any other."""
+    for pattern, solve in ASKED:
+        found = pattern.search(prompt)
+        if found:
+            return solve(found)
+    return None

@@ -46,6 +46,7 @@ MASTER_DTYPE = torch.float32
 class BuildingBackend(Protocol):
     """What building asks the run's backend (backends/backend.py)."""
     chunks_output_head: bool
+    fuses_lora: bool
     attends_per_example: bool
     partitions_parameters: bool
     shards_quantized_base: bool
@@ -132,7 +133,7 @@ def assemble(model: nn.Module, config: TrainConfig, backend: BuildingBackend) ->
         model.config.use_cache = False  # type: ignore[union-attr]  # torch types it as Tensor | Module
     if config.lora:
         model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules,
-                           config.gradient_checkpointing)
+                           config.gradient_checkpointing, backend.fuses_lora)
     allow_chunked_head(model, backend.chunks_output_head)
     if config.packing and backend.attends_per_example:
         attend_per_example(model)

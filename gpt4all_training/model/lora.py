@@ -15,8 +15,9 @@ ALL_LINEAR = "all-linear"
 
 
 def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str] | None,
-               gradient_checkpointing: bool):
-    """Wrap `model` with a LoRA adapter on `target_modules`; unset means every linear layer but the output head."""
+               gradient_checkpointing: bool, fused: bool = True):
+    """Wrap `model` with a LoRA adapter on `target_modules`; unset means every linear layer but the output head.
+    `fused`: in FusedLoraLinear layers where they apply (the backend's `fuses_lora`), else PEFT's own."""
     from peft import LoraConfig, get_peft_model
 
     width = getattr(model.config.get_text_config(), "hidden_size", None)
@@ -25,7 +26,7 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
         raise UserError(f"lora_r: {r} exceeds the model's width {width}; use at most {width} (8 to 64 is usual)")
     config = LoraConfig(task_type="CAUSAL_LM", r=r, lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=target_modules or ALL_LINEAR)
-    if not getattr(model, "is_quantized", False):
+    if fused and not getattr(model, "is_quantized", False):
         # bitsandbytes' quantized layers are nn.Linear subclasses: they keep PEFT's own layers for them.
         config._register_custom_module({nn.Linear: FusedLoraLinear})
     if gradient_checkpointing:

@@ -7,7 +7,8 @@ With the policy's log-probabilities pi and the reference's ref, per pair (the na
 - sigmoid (DPO): d = beta x ((pi_c - ref_c) - (pi_r - ref_r)); loss = -(1 - e) log sigmoid(d) - e log sigmoid(-d),
   with e the label smoothing (conservative DPO);
 - ipo: d = (pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r over the answers' token counts n; loss = (d - 1/(2 beta))^2;
-- simpo (no reference): d = beta x (pi_c / n_c - pi_r / n_r) - gamma; loss as sigmoid's.
+- simpo (no reference): d = beta x (pi_c / n_c - pi_r / n_r) - gamma; loss as sigmoid's;
+and with `sft_weight` w, any of them plus w x (-pi_c / n_c), the chosen answer's mean NLL per token (RPO).
 The rewards are beta x (pi - ref) per answer (simpo: beta x pi / n). The loop divides the step's summed loss by its
 global count of pairs, so every pair weighs the same whatever the batch, accumulation and processes, as TRL's mean.
 
@@ -52,11 +53,12 @@ class PreferenceSettings:
     beta: float
     label_smoothing: float
     simpo_gamma: float
+    sft_weight: float
 
     @classmethod
     def of(cls, config: Preference) -> PreferenceSettings:
         assert config.loss_type is not None and config.beta is not None, "TrainConfig fills the objective's defaults"
-        return cls(config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma)
+        return cls(config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma, config.sft_weight)
 
 
 @dataclass
@@ -88,16 +90,19 @@ def pair_losses(policy: torch.Tensor, reference: Optional[torch.Tensor], lengths
         chosen, rejected = beta * pi_c / n_c, beta * pi_r / n_r
         margin = chosen - rejected - settings.simpo_gamma
         losses = -(1 - smoothing) * F.logsigmoid(margin) - smoothing * F.logsigmoid(-margin)
-        return PairTerms(losses, chosen.detach(), rejected.detach(), pi_c.detach(), pi_r.detach())
-    assert reference is not None  # only simpo has none
-    ref_c, ref_r = reference.to(policy).chunk(2)
-    ratio_c, ratio_r = pi_c - ref_c, pi_r - ref_r
-    if settings.loss_type == "ipo":
-        losses = (ratio_c / n_c - ratio_r / n_r - 1 / (2 * beta)) ** 2
     else:
-        margin = beta * (ratio_c - ratio_r)
-        losses = -(1 - smoothing) * F.logsigmoid(margin) - smoothing * F.logsigmoid(-margin)
-    return PairTerms(losses, beta * ratio_c.detach(), beta * ratio_r.detach(), pi_c.detach(), pi_r.detach())
+        assert reference is not None  # only simpo has none
+        ref_c, ref_r = reference.to(policy).chunk(2)
+        ratio_c, ratio_r = pi_c - ref_c, pi_r - ref_r
+        chosen, rejected = beta * ratio_c, beta * ratio_r
+        if settings.loss_type == "ipo":
+            losses = (ratio_c / n_c - ratio_r / n_r - 1 / (2 * beta)) ** 2
+        else:
+            margin = beta * (ratio_c - ratio_r)
+            losses = -(1 - smoothing) * F.logsigmoid(margin) - smoothing * F.logsigmoid(-margin)
+    if settings.sft_weight:
+        losses = losses - settings.sft_weight * pi_c / n_c
+    return PairTerms(losses, chosen.detach(), rejected.detach(), pi_c.detach(), pi_r.detach())
 
 
 def answer_lengths(batch: Batch) -> torch.Tensor:
