@@ -235,10 +235,10 @@ def about(key: str, name: Optional[str]) -> Iterator[None]:
         raise UserError(f"{key} {name}: {error}") from None
 
 
-def score_model(config: InferenceConfig, model, examples: Examples, share: np.ndarray, tokenizer, checker, verifier,
-                backend) -> dict[str, Any]:
-    """model_name's pass over the share: loss, n_tokens and embedding; the response alone's loss (ifd), the checked
-    greedy answers (checker) and the verified responses (verifier) when asked for."""
+def score_model(config: InferenceConfig, model, examples: Examples, share: np.ndarray, tokenizer, checker, backend
+                ) -> dict[str, Any]:
+    """model_name's pass over the share: loss, n_tokens and embedding; the response alone's loss (ifd) and the
+    checked greedy answers (checker) when asked for."""
     pad_id = tokenizer.pad_token_id
     with progress_bar(len(share), backend) as progress:
         results = score_positions(model, examples, share, config.batch_size, pad_id, config.pooling,
@@ -251,9 +251,6 @@ def score_model(config: InferenceConfig, model, examples: Examples, share: np.nd
                 config.batch_size, pad_id, backend.device, progress)
     if checker is not None:
         results.update(check_answers(model, tokenizer, examples, share, checker, config, backend))
-    if verifier is not None:
-        records = examples.dataset.select_columns(examples.record_columns)[share.tolist()]
-        results["verified"] = verify_responses(records, tokenizer, verifier)
     return results
 
 
@@ -527,9 +524,12 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         model = loaded(config.model_name, "model_name", config.model_revision, config.gguf_file)
         backend.wait_for_everyone()
         started, loading = time.perf_counter(), 0.0
-        results = score_model(config, model, examples, mine, tokenizer, checker, verifier, backend)
+        results = score_model(config, model, examples, mine, tokenizer, checker, backend)
         # One model in memory at a time: the next ones are arguments only, released when their pass returns.
         del model
+        if verifier is not None:  # the records alone, no model
+            records = examples.dataset.select_columns(examples.record_columns)[mine.tolist()]
+            results["verified"] = verify_responses(records, tokenizer, verifier)
         if config.base_model:
             gc.collect()  # the weights of the model before, should they sit in a reference cycle
             results["base_loss"] = score_base(config, loaded(config.base_model, "base_model"), examples, mine,

@@ -89,17 +89,16 @@ def pair_losses(policy: torch.Tensor, reference: Optional[torch.Tensor], lengths
     if settings.loss_type == "simpo":
         chosen, rejected = beta * pi_c / n_c, beta * pi_r / n_r
         margin = chosen - rejected - settings.simpo_gamma
-        losses = -(1 - smoothing) * F.logsigmoid(margin) - smoothing * F.logsigmoid(-margin)
     else:
         assert reference is not None  # only simpo has none
         ref_c, ref_r = reference.to(policy).chunk(2)
         ratio_c, ratio_r = pi_c - ref_c, pi_r - ref_r
         chosen, rejected = beta * ratio_c, beta * ratio_r
-        if settings.loss_type == "ipo":
-            losses = (ratio_c / n_c - ratio_r / n_r - 1 / (2 * beta)) ** 2
-        else:
-            margin = beta * (ratio_c - ratio_r)
-            losses = -(1 - smoothing) * F.logsigmoid(margin) - smoothing * F.logsigmoid(-margin)
+        margin = beta * (ratio_c - ratio_r)
+    if settings.loss_type == "ipo":
+        losses = (ratio_c / n_c - ratio_r / n_r - 1 / (2 * beta)) ** 2
+    else:
+        losses = -(1 - smoothing) * F.logsigmoid(margin) - smoothing * F.logsigmoid(-margin)
     if settings.sft_weight:
         losses = losses - settings.sft_weight * pi_c / n_c
     return PairTerms(losses, chosen.detach(), rejected.detach(), pi_c.detach(), pi_r.detach())
