@@ -11,17 +11,21 @@ peak of the processes it started (datasets' workers):
   tokenise   what `train` does before the model: read the clean records, tokenize and label them, split and count
              (the fine-tuning objective's load_data), into an empty cache; with num_proc 1 and 2.
   raw        the fast tokenizer alone, batched, on the texts tokenise encodes: each record as SmolLM2's chat template
-             writes the whole example (rendered beforehand, not timed); the floor tokenise is measured against.
+             writes the whole example (rendered 1,000 at a time, that time reported apart); the floor tokenise is
+             measured against.
   trl        TRL's SFTTrainer preparing the same records as `messages` with packing (max_length 512), the
              preparation its constructor runs (the model, a 2-layer SmolLM2 shape, built before the clock starts).
 
-The tokenizer is SmolLM2-135M-Instruct's (ChatML), max_length 512. Each row records the machine's load average
-when its stage started: on a shared machine read the ratios, which the load moves less than the seconds.
+The tokenizer is SmolLM2-135M-Instruct's (ChatML), max_length 512. Every stage reads and writes its records as a
+stream (the generator, raw's chunks, TRL's dataset written to Arrow as it is read), so that at a million records the
+peaks are the stages' own. Each row records the machine's load average when its stage started: on a shared machine
+read the ratios, which the load moves less than the seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -29,7 +33,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
@@ -37,6 +41,7 @@ import harness  # noqa: E402
 SHAPES = ("dolly", "chat")
 STAGES = ("clean", "clean-near", "tokenise", "tokenise-2", "raw", "trl")
 MAX_LENGTH = 512
+RAW_BATCH = 1000  # conversations per call of the raw tokenizer
 
 
 def raw_records(shape: str, count: int) -> Path:
@@ -73,14 +78,18 @@ def peaks() -> dict[str, float]:
             "children_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
-def clean_texts(shape: str, folder: Path) -> list[list[dict[str, str]]]:
-    """The clean records as conversations (a prompt/response record as one round)."""
-    out = []
-    for line in next(folder.glob("*_clean.jsonl")).read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        out.append(record["messages"] if "messages" in record else [
-            {"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}])
-    return out
+def clean_conversations(folder: Path) -> Iterator[list[dict[str, str]]]:
+    """The clean records as conversations (a prompt/response record as one round), read line by line."""
+    with open(next(folder.glob("*_clean.jsonl")), encoding="utf-8") as lines:
+        for line in lines:
+            record = json.loads(line)
+            yield record["messages"] if "messages" in record else [
+                {"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+
+
+def chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
 
 
 def stage_clean(raw: Path, near: bool) -> dict[str, Any]:
@@ -96,6 +105,7 @@ def stage_clean(raw: Path, near: bool) -> dict[str, Any]:
 
 def stage_tokenise(raw: Path, num_proc: int) -> dict[str, Any]:
     from gpt4all_training.config.loader import load_config
+    from gpt4all_training.data.sft import column_arrays
     from gpt4all_training.model.loading import tokenizer_for
     from gpt4all_training.training.objectives import objective_for
 
@@ -109,25 +119,27 @@ def stage_tokenise(raw: Path, num_proc: int) -> dict[str, Any]:
     lines: list[str] = []
     began = time.perf_counter()
     data = objective_for(config).load_data(config, tokenizer, lines.append, 1)
-    return {"seconds": time.perf_counter() - began, "examples": len(data.train) + len(data.val),
-            "tokens": int(sum(data.train["length"])) + int(sum(data.val["length"]))}
+    seconds = time.perf_counter() - began
+    return {"seconds": seconds, "examples": len(data.train) + len(data.val),
+            "tokens": sum(int(column_arrays(split, ["length"])["length"].sum()) for split in (data.train, data.val))}
 
 
-def stage_raw(shape: str, raw: Path) -> dict[str, Any]:
+def stage_raw(raw: Path) -> dict[str, Any]:
     from gpt4all_training.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(harness.smollm2()))
-    conversations = clean_texts(shape, clean_folder(raw))
-    began = time.perf_counter()
-    texts = tokenizer.apply_chat_template(conversations, tokenize=False)
-    rendered = time.perf_counter()
+    rendering = tokenizing = 0.0
     tokens = 0
-    for start in range(0, len(texts), 1000):
-        tokens += sum(map(len, tokenizer(texts[start:start + 1000], add_special_tokens=False)["input_ids"]))
-    return {"seconds": time.perf_counter() - rendered, "render_seconds": rendered - began, "tokens": tokens}
+    for conversations in chunks(clean_conversations(clean_folder(raw)), RAW_BATCH):
+        began = time.perf_counter()
+        texts = tokenizer.apply_chat_template(conversations, tokenize=False)
+        rendered = time.perf_counter()
+        tokens += sum(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
+        rendering, tokenizing = rendering + rendered - began, tokenizing + time.perf_counter() - rendered
+    return {"seconds": tokenizing, "render_seconds": rendering, "tokens": tokens}
 
 
-def stage_trl(shape: str, raw: Path) -> dict[str, Any]:
+def stage_trl(raw: Path) -> dict[str, Any]:
     import datasets
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -142,7 +154,10 @@ def stage_trl(shape: str, raw: Path) -> dict[str, Any]:
     shape_config = AutoConfig.from_pretrained(harness.smollm2(), num_hidden_layers=2)
     torch.manual_seed(harness.SEED)
     model = AutoModelForCausalLM.from_config(shape_config)
-    records = datasets.Dataset.from_list([{"messages": m} for m in clean_texts(shape, clean_folder(raw))])
+    # Written to Arrow on disk as they are read, as TRL's users load a dataset of this size.
+    records = datasets.Dataset.from_generator(
+        lambda: ({"messages": m} for m in clean_conversations(clean_folder(raw))),
+        cache_dir=str(work / "datasets"))
     began = time.perf_counter()
     trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=records, args=SFTConfig(
         output_dir=str(work / "out"), max_length=MAX_LENGTH, packing=True, report_to=[], use_cpu=True,
@@ -157,9 +172,9 @@ def worker(args) -> dict[str, Any]:
     elif args.worker.startswith("tokenise"):
         result = stage_tokenise(raw, 2 if args.worker == "tokenise-2" else 1)
     elif args.worker == "raw":
-        result = stage_raw(args.shape, raw)
+        result = stage_raw(raw)
     else:
-        result = stage_trl(args.shape, raw)
+        result = stage_trl(raw)
     return {**result, **peaks()}
 
 

@@ -5,7 +5,8 @@ gradients), so its step should process about 1.5x the tokens a second. Each repe
 in a fresh process, train_throughput.py's workers for SmolLM2-135M with packing on: LoRA (model/lora.py's fused
 layers), LoRA through PEFT's own layers, full fine-tuning, and TRL's packed LoRA row (for memory). The rows train
 the same data for the same steps at the same precision. Printed: real tokens/s (totals over totals of every
-repeat's timed steps), LoRA over full, and each row's median peak RSS against TRL's.
+repeat's timed steps), LoRA over full, and each row's median peak RSS against TRL's. `--scale 4` runs issue 45's
+own setting: TRL at 4 packed rows of 512 tokens a step (its batch 4 x max_length 512), ours at about as many tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lora-dropout", type=float, default=0.0)
+    parser.add_argument("--scale", type=int, default=1,
+                        help="examples per micro-batch (3) and TRL's packed rows of 512 tokens (1), times this")
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
     parser.add_argument("--profile", action="store_true",
                         help="also profile each run's timed steps (bench/step_profile.py) and print where a step's "
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     harness.clean_data()
     for kind in {ROWS[r][0] for r in rows}:
         harness.model_dir(kind)
-    print(f"# SmolLM2-135M, {args.steps} steps, {args.dtype}, {args.threads} threads, LoRA dropout "
+    print(f"# SmolLM2-135M, {args.steps} steps, {3 * args.scale} examples a step (TRL: {args.scale} packed rows of 512 "
+          f"tokens), {args.dtype}, {args.threads} threads, LoRA dropout "
           f"{args.lora_dropout}, {args.repeats} repeats; {harness.machine()}; {time.strftime('%Y-%m-%d %H:%M')}",
           flush=True)
     results: dict[str, list[dict]] = {r: [] for r in rows}
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out, ignore_errors=True)
             result = harness.run_worker("train_throughput.py", [
                 "--worker", variant, "--model", kind, "--steps", str(args.steps), "--out", str(out),
-                "--dtype", args.dtype, "--threads", str(args.threads), "--lora-dropout", str(args.lora_dropout),
+                "--dtype", args.dtype, "--threads", str(args.threads), "--scale", str(args.scale), "--lora-dropout", str(args.lora_dropout),
                 "--skip-eval", *(["--profile"] if args.profile else [])])
             results[row].append(result)
             print(f"  repeat {repeat + 1} {row}: {result['real_tokens_per_s']:,.1f} real tok/s, "

@@ -21,6 +21,7 @@ from gpt4all_training.data.sampling import StepSampler
 from gpt4all_training.data.pairs import tokenize_message_pairs
 from gpt4all_training.model.decoding import Sampling, Sequence, decode_all, eos_token_ids
 from gpt4all_training.model.loading import load_model
+from gpt4all_training.run_folder import METRICS_FILE
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.loss import sequence_logps
 
@@ -93,7 +94,7 @@ def rewards_by_prompt(run_dir: Path, n_prompts: int, seed: int) -> tuple[list[fl
     `run_dir`, in the same prompt order, so that the rise is paired prompt by prompt: prompts differ in difficulty far
     more than a run moves them. The run (demo/grpo.yaml) draws one prompt a step, in one process, in the order its
     StepSampler gives for its seed, over four epochs: each quarter is one epoch, every prompt in it once."""
-    rewards = [row["reward"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row]
+    rewards = [row["reward"] for row in read_metrics(run_dir / METRICS_FILE) if "reward" in row]
     sampler = StepSampler(n_prompts, batch_size=1, seed=seed)
     drawn = [sampler.step_indices(step)[0][0] for step in range(len(rewards))]
     quarter = len(rewards) // 4

@@ -39,6 +39,7 @@ from demo.measure import measured, rewards_by_prompt, success_counts
 from demo.tasks import (read_records, write_conversations, write_held_out_tasks, write_preference_pairs,
                         write_records, write_reward_prompts)
 from gpt4all_training.intervals import Comparison, Interval, mean, paired
+from gpt4all_training.run_folder import REPORT_FILE, merged_folder
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The rule curate drops by, on the scores inference writes: the verifier's (demo/tasks.py verified_answers), and the
@@ -189,7 +190,7 @@ def main() -> None:
     config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'clean'}",
                                               f"output_dir={out / 'run'}"])
     summary = train(config)
-    merged = out / "run" / "final" / "merged"
+    merged = merged_folder(out / "run")
     dpo_config = load_config("demo/dpo.yaml", [f"model_name={merged}", f"dataset_path={out / 'pairs'}",
                                                f"output_dir={out / 'dpo'}", f"dtype={args.dtype}", *trained_with])
     hits, prefers_before = measured(merged, tokenizer, tasks, dpo_config.max_length)
@@ -197,7 +198,7 @@ def main() -> None:
 
     step("5. preference tuning (dpo) of the fine-tuned model: correct answers chosen over wrong ones")
     dpo_summary = train(dpo_config)
-    hits, prefers_after = measured(out / "dpo" / "final" / "merged", tokenizer, tasks, dpo_config.max_length)
+    hits, prefers_after = measured(merged_folder(out / "dpo"), tokenizer, tasks, dpo_config.max_length)
     stages.add("dpo", hits)
     assert prefers_before is not None and prefers_after is not None  # measured with max_length
     before, after = mean(prefers_before), mean(prefers_after)
@@ -229,7 +230,7 @@ def main() -> None:
     grpo_summary = train(grpo_config)
     first, last = rewards_by_prompt(out / "grpo", len(chosen), grpo_config.seed)
     first_quarter, last_quarter, reward_rise = mean(first), mean(last), paired(first, last, seed=args.seed)
-    stages.add("grpo", measured(out / "grpo" / "final" / "merged", tokenizer, tasks)[0])
+    stages.add("grpo", measured(merged_folder(out / "grpo"), tokenizer, tasks)[0])
     stages.result["grpo"].update({
         "steps": grpo_summary["steps"], "prompts": len(chosen), "candidates": len(candidates),
         "reward_first_quarter": first_quarter.as_dict(), "reward_last_quarter": last_quarter.as_dict(),
@@ -264,7 +265,7 @@ def main() -> None:
     curated_config = load_config("demo/config.yaml", [*overrides, f"dataset_path={out / 'curated'}",
                                                       f"output_dir={out / 'run_curated'}"])
     curated_summary = train(curated_config)
-    stages.add("curated", measured(out / "run_curated" / "final" / "merged", tokenizer, tasks)[0])
+    stages.add("curated", measured(merged_folder(out / "run_curated"), tokenizer, tasks)[0])
     stages.result["curated"].update(curation)
 
     step("9. export as GGUF (Q8_0) for GPT4All, llama.cpp and Ollama")
@@ -275,8 +276,8 @@ def main() -> None:
     print_summary(stages, len(tasks))
     print(f"validation loss: fine-tuned {summary.get('val_loss', float('nan')):.4f}, curated "
           f"{curated_summary.get('val_loss', float('nan')):.4f} (each on its own held-out split)")
-    print(f"loss curves: {out / 'run' / 'report.html'}; dpo: {out / 'dpo' / 'report.html'}; grpo's rewards, KL and "
-          f"completion lengths: {out / 'grpo' / 'report.html'}")
+    print(f"loss curves: {out / 'run' / REPORT_FILE}; dpo: {out / 'dpo' / REPORT_FILE}; grpo's rewards, KL and "
+          f"completion lengths: {out / 'grpo' / REPORT_FILE}")
     print(f"map of the training data (loss after fine-tuning): {map_result.html}")
     print(f"curation report: {out / 'curated' / 'curate_report.json'}")
     print(f"GGUF: {exported} ({exported.stat().st_size / 2**20:.1f} MiB), Modelfile beside it")

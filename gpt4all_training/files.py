@@ -13,12 +13,15 @@ later that it is whole, checks an output location before the work, and loads ten
   (a marker of the older flat form `{relative path: digest}` still verifies). Checkpoints, final/, the tokenized-data
   cache and exports carry it.
 - `new_folder(folder)`: a folder built beside its final place under a name of its own and renamed into place when
-  complete; on failure only what this call created is removed. `make_own_folder` / `remove_own_folder`: a working
-  folder at a fixed place, which carries a file saying this program made it, and is deleted only when it does.
-  A tool deletes only what it made in this run, or what carries its mark.
+  complete; on failure only what this call created is removed. `replace_folder(built, folder)`: a complete folder
+  built beside `folder` swapped into its place, the old one deleted only once the new one is there. `move(path,
+  target)`: a rename, made durable. Nothing else in the package renames a file or a folder.
+  `make_own_folder` / `remove_own_folder`: a working folder at a fixed place, which carries a file saying this
+  program made it, and is deleted only when it does. A tool deletes only what it made in this run, or what carries
+  its mark.
 - `writable_folder` / `writable_file`: an output location checked before the work that fills it.
 - `save_tensors` / `load_tensors`: torch.save whose failure is an OSError, and `torch.load(weights_only=True)` with a
-  refused pickle as one line; `safetensors_problem`.
+  refused pickle as one line; `check_tensor_files` for a library's own files; `safetensors_problem`.
 
 The lowest layer: it imports only `errors` (torch and safetensors lazily, where a function needs them).
 """
@@ -196,6 +199,32 @@ def new_folder(folder: Path, marker: bool = True) -> Iterator[Path]:
     fsync_dir(folder.parent)
 
 
+def replace_folder(built: Path, folder: Path) -> None:
+    """Put `built`, a complete folder filled beside `folder` (so on the same filesystem), in `folder`'s place:
+    fsynced, then renamed. A `folder` already there is first renamed to `NAME.previous` (a rename cannot replace a
+    folder that holds files) and deleted once `built` is in place, so a crash leaves the old folder or the new one,
+    never a mix."""
+    fsync_tree(built)
+    if folder.exists():
+        previous = folder.with_name(folder.name + ".previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(folder, previous)
+        os.replace(built, folder)
+        shutil.rmtree(previous)
+    else:
+        os.replace(built, folder)
+    fsync_dir(folder.parent)
+
+
+def move(path: Path, target: Path) -> None:
+    """Rename `path` to `target` on the same filesystem (a file already at `target` is replaced), durably: both
+    folders' entries are fsynced."""
+    os.replace(path, target)
+    fsync_dir(target.parent)
+    if path.parent != target.parent:
+        fsync_dir(path.parent)
+
+
 # ---------------------------------------------------------------- working folders a run makes and removes
 
 def make_own_folder(folder: Path) -> Path:
@@ -278,6 +307,18 @@ def save_tensors(value: Any, path: Path) -> None:
     torch.save(value, buffer)
     with open(path, "wb") as f:
         f.write(buffer.getbuffer())
+
+
+def check_tensor_files(folder: Path, allowed: list[type]) -> None:
+    """Refuse the `.pt` files under `folder` (a library's own state, such as DeepSpeed's, which it reads with
+    weights_only=False, running whatever code a pickle names) when one holds more than tensors, plain values and the
+    `allowed` classes: each is opened by the weights-only unpickler first, memory-mapped, so this checks the
+    structure without reading tensors."""
+    import torch
+
+    with torch.serialization.safe_globals([*allowed]):
+        for path in sorted(folder.rglob("*.pt")):
+            load_tensors(path, map_location="cpu", mmap=True)
 
 
 def load_tensors(path: Path, map_location: str | None = None, mmap: bool = False) -> Any:

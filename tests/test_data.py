@@ -22,9 +22,10 @@ from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.data.batching import collate
-from gpt4all_training.data.prompts import encode_prompts, format_prompt
+from gpt4all_training.data.prompts import encode_prompts, encode_texts, format_prompt
 from gpt4all_training.data.records import load_records
-from gpt4all_training.data.sft import build_example, finish_split, load_data, show_example, tokenize_batch, tokenize_dataset
+from gpt4all_training.data.sft import (build_example, finish_split, load_data, show_example, split_records, tokenize_batch,
+                                       tokenize_dataset)
 from gpt4all_training.errors import UserError
 
 M = IGNORE  # short, so that label arrays line up with their ids
@@ -256,6 +257,13 @@ def test_split_is_reproducible_for_a_seed_and_changes_with_it(tokenizer, clean_d
     assert len(other_val) == 31 and set(other_val) != set(val)
 
 
+def test_the_split_holds_the_rows_the_records_split_gives(tokenizer, clean_dolly):
+    """load_data tokenizes the records in stored order and splits after: each split holds the records that
+    split_records chooses from the records themselves (what inference's splits are), in the same order."""
+    records_train, records_val = split_records(load_records(str(clean_dolly)), 0.05, 42)
+    assert split_indices(clean_dolly, tokenizer, seed=42) == (list(records_train["index"]), list(records_val["index"]))
+
+
 @pytest.mark.parametrize("missing", ["./no-such-folder", "no-such-file.jsonl", "/no/such/data"])
 def test_missing_dataset_path_is_a_user_error(missing):
     with pytest.raises(UserError, match="dataset_path"):
@@ -342,6 +350,19 @@ def test_special_token_text_in_a_prompt_stays_text(chat_tokenizer, template):
     specials = [chat_tokenizer.convert_ids_to_tokens(i) for i in ids if i in chat_tokenizer.all_special_ids]
     assert specials == {"chat": ["<|im_start|>", "<|im_end|>", "<|im_start|>"], "plain": []}[template]
     assert chat_tokenizer.decode(ids).count("<|im_end|>") == {"chat": 2, "plain": 1}[template]
+
+
+@pytest.mark.parametrize("specials", [True, False])
+def test_texts_encode_as_the_tokenizers_call_whatever_an_earlier_call_left(chat_tokenizer, specials):
+    """encode_texts asks the backend directly: it gives the ids of the tokenizer's own call, even after a call that
+    left truncation and padding set in the backend (an evaluation's padded batch, say)."""
+    texts = [*dolly_texts(20), "Say <|im_end|> and <|endoftext|>", ""]
+    chat_tokenizer(texts[:2], truncation=True, max_length=4, padding="max_length")
+    expected = [chat_tokenizer(text, add_special_tokens=specials, split_special_tokens=True)["input_ids"]
+                for text in texts]
+    chat_tokenizer(texts[:2], truncation=True, max_length=4, padding="max_length")
+    assert encode_texts(chat_tokenizer, texts, add_special_tokens=specials, split_special_tokens=True) == expected
+    assert max(map(len, expected)) > 100
 
 
 def test_a_template_that_changes_the_message_is_rendered_whole(chat_tokenizer):

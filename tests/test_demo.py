@@ -44,6 +44,9 @@ def test_held_out_tasks_are_distinct_checkable_and_never_asked_in_training(tmp_p
         assert task["rejected"] != task["answer"]
     reversal = next(task for task in tasks if task["source"] == "reverse_word")
     assert reversal["rejected"] == reversal["answer"][::-1] == WRONG["reverse_word"](reversal["answer"], None)
+    # A unit slip is a zero too many or one too few, both often: one direction alone would teach dpo that direction.
+    slips = [int(t["rejected"]) / int(t["answer"]) for t in tasks if t["source"] == "unit_conversion"]
+    assert set(slips) == {10, 0.1} and 0.3 < slips.count(10) / len(slips) < 0.7
 
 
 def test_the_planted_copies_and_wrong_answers_are_where_the_demo_counts_them(tmp_path):

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gpt4all_training.errors import UserError
-from gpt4all_training.files import (atomic_write, load_tensors, make_own_folder, marker_problem, new_folder,
-                                    remove_own_folder, save_tensors, sha256_file, writable_file, writable_folder,
-                                    write_marker)
+from gpt4all_training.files import (atomic_write, load_tensors, make_own_folder, marker_problem, move, new_folder,
+                                    remove_own_folder, replace_folder, save_tensors, sha256_file, writable_file,
+                                    writable_folder, write_marker)
 
 
 def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path):
@@ -97,6 +97,32 @@ def test_a_new_folder_never_replaces_one_that_appeared_meanwhile(tmp_path):
             (target / "first.txt").write_text("first")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert [p.name for p in target.iterdir()] == ["first.txt"]
+
+
+def test_a_replaced_folder_holds_only_the_new_files_and_nothing_is_left_beside_it(tmp_path):
+    folder, built = tmp_path / "final", tmp_path / "final.tmp"
+    folder.mkdir()
+    (folder / "old.txt").write_text("old")
+    for name in ("new.txt", "sub/more.txt"):
+        (built / name).parent.mkdir(parents=True, exist_ok=True)
+        (built / name).write_text(name)
+    replace_folder(built, folder)
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == ["new.txt", "sub", "sub/more.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    (built / "again.txt").parent.mkdir()
+    (built / "again.txt").write_text("again")
+    replace_folder(built, tmp_path / "fresh")  # nothing there yet
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "fresh"]
+    assert (tmp_path / "fresh" / "again.txt").read_text() == "again"
+
+
+def test_a_move_renames_into_another_folder(tmp_path):
+    (tmp_path / "run_id").write_text("abc")
+    (tmp_path / "set-aside-1").mkdir()
+    move(tmp_path / "run_id", tmp_path / "set-aside-1" / "run_id")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["set-aside-1",
+                                                                                      "set-aside-1/run_id"]
+    assert (tmp_path / "set-aside-1" / "run_id").read_text() == "abc"
 
 
 def test_a_working_folder_is_removed_only_when_this_program_made_it(tmp_path):

@@ -1,7 +1,8 @@
 """The package's import rules, read from the source by an AST walk (nothing is imported):
 
 - no cycle among the package's modules, counting imports inside functions too;
-- nothing imports upward against the pipeline's layers (LAYERS below), and nothing imports the CLI;
+- nothing imports upward against the pipeline's layers (LAYERS below), and nothing imports the CLI; export reads
+  what training wrote through run_folder.py and files.py, never by importing training;
 - our own modules are imported at module top, never inside a function (third-party packages may be imported
   lazily; the CLI's subcommand table names its modules as strings for importlib, which is not an import statement);
 - the objective is chosen once: no `.objective` attribute outside config/ and training/objectives/ (everything else
@@ -25,20 +26,24 @@ from support.paths import REPO
 
 PACKAGE = "gpt4all_training"
 # Which layers each layer may import, besides its own modules. cli may import everything; no layer lists cli.
-FOUNDATIONS = {"config", "batch", "errors", "files", "readers", "paths", "progress", "library_warnings", "intervals"}
+FOUNDATIONS = {"config", "batch", "errors", "files", "run_folder", "readers", "paths", "progress", "library_warnings",
+               "intervals"}
 COMPONENTS = {"data", "model", "backends", "tracking"}
 STAGES = {"preflight", "analysis", "generation", "export", "evaluation", "serving"}
 LAYERS: dict[str, set[str]] = {
     "cli": {"studio", "training", *STAGES, *COMPONENTS, *FOUNDATIONS},
-    # The web app: a window over the stages (and training's run folders), as the CLI is.
+    # The web app: a window over the stages and training, as the CLI is.
     "studio": {"training", *STAGES, *COMPONENTS, *FOUNDATIONS},
     **{stage: {"training", *COMPONENTS, *FOUNDATIONS} for stage in STAGES},
+    "export": {*COMPONENTS, *FOUNDATIONS},
     "training": {*COMPONENTS, *FOUNDATIONS},
     **{component: FOUNDATIONS for component in COMPONENTS},
     "config": {"errors", "files", "readers", "paths"},
     "batch": set(),
     # The lowest layer beside errors, importable by every layer: crash-safe files, and the readers of input files.
     "files": {"errors"},
+    # The names and paths of a training run's output_dir.
+    "run_folder": set(),
     "readers": {"errors"},
     "paths": {"errors"},
     # Progress bars for long phases, and the third-party warnings hidden once for every command.
@@ -350,7 +355,10 @@ def test_planted_upward_and_sideways_imports_and_an_import_of_the_cli_are_named(
     root = write_package(tmp_path, {
         "gpt4all_training/config/loader.py": "import gpt4all_training.training.loop\n",
         "gpt4all_training/data/sft.py": "from gpt4all_training.model.loading import load_model\n",
-        "gpt4all_training/export/hf.py": "from gpt4all_training.preflight import plan\n",
+        "gpt4all_training/export/hf.py": """\
+            from gpt4all_training.preflight import plan
+            from gpt4all_training.training.checkpoint import verify
+            """,
         "gpt4all_training/training/loop.py": """\
             import torch
 
@@ -359,6 +367,7 @@ def test_planted_upward_and_sideways_imports_and_an_import_of_the_cli_are_named(
             """,
         "gpt4all_training/model/loading.py": "",
         "gpt4all_training/preflight/plan.py": "",
+        "gpt4all_training/training/checkpoint.py": "",
         "gpt4all_training/cli/main.py": "from gpt4all_training.training.loop import train\n",
         "gpt4all_training/extras/thing.py": "",
     })
@@ -367,6 +376,8 @@ def test_planted_upward_and_sideways_imports_and_an_import_of_the_cli_are_named(
         "gpt4all_training/config/loader.py:1 imports gpt4all_training.training.loop (config may not import training)",
         "gpt4all_training/data/sft.py:1 imports gpt4all_training.model.loading (data may not import model)",
         "gpt4all_training/export/hf.py:1 imports gpt4all_training.preflight.plan (export may not import preflight)",
+        "gpt4all_training/export/hf.py:2 imports gpt4all_training.training.checkpoint (export may not import "
+        "training)",
         "gpt4all_training/training/loop.py:3 imports gpt4all_training.cli.main (nothing imports cli)",
     ]
     assert lazy_imports(root, PACKAGE) == []

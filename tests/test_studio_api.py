@@ -34,11 +34,11 @@ from gpt4all_training.cli.main import main
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
+from gpt4all_training.run_folder import EXIT_FILE, LOG_FILE, RECORD_FILE
 from gpt4all_training.studio.app import StudioSettings, create_app, unsent
 from gpt4all_training.studio import actions
 from gpt4all_training.studio.configs import ACCELERATE_DIR, EVAL_SUITE_DIR, PRESETS_DIR
-from gpt4all_training.studio.runs import RECORD_FILE, Launch, RunConflict, Runs, commands, overlapping, run_info
-from gpt4all_training.studio.supervise import EXIT_FILE, LOG_FILE
+from gpt4all_training.studio.runs import Launch, RunConflict, Runs, commands, overlapping, run_info
 from gpt4all_training.studio.workdir import Workdir
 
 PRESET = "configs/train/chat_tiny.yaml"

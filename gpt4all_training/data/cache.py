@@ -48,6 +48,7 @@ from gpt4all_training.config.blocks import Checkpoints, Examples, PromptFormat
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.sft import DataStats
 from gpt4all_training.files import marker_problem, new_folder
+from gpt4all_training.run_folder import TOKENIZED_DIR
 
 SPLITS = ("train", "validation")
 # Examples fields that do not change what tokenization produces.
@@ -102,7 +103,7 @@ def cache_entry(config: TrainConfig, tokenizer, records_digest: str) -> Path:
 
 def cache_root(config: Checkpoints) -> Path:
     """cache_dir, or output_dir/tokenized: a restart or resume of the run finds it without any setting."""
-    return Path(config.cache_dir).expanduser() if config.cache_dir else Path(config.output_dir) / "tokenized"
+    return Path(config.cache_dir).expanduser() if config.cache_dir else Path(config.output_dir) / TOKENIZED_DIR
 
 
 def entry_problem(entry: Path) -> str | None:
@@ -206,4 +207,7 @@ def entry_or_built(entry: Path, build: Callable[[], tuple[tuple, tuple]], log: C
             log(f"tokenized data: cache miss ({reason}); another process saved {entry}")
         else:
             log(f"tokenized data: cache miss ({reason}); not saved ({exc.strerror or type(exc).__name__})")
-    return splits, stats
+            return splits, stats
+    # The entry's files, memory-mapped, as every later start reads them: the built splits reach their rows through
+    # index mappings (the split, the drops), and every read of theirs would go through those again.
+    return load_entry(entry)

@@ -25,6 +25,9 @@ def format_prompt(prompt: str, tokenizer, template: str) -> str:
     return prompt + "\n"
 
 
+# The methods through which a tokenizer class may encode otherwise than its backend does (Code Llama's overrides one
+# for its infilling prompts): encode_texts leaves a tokenizer that overrides any of them to its own call.
+ENCODING_METHODS = ("__call__", "_encode_plus", "set_truncation_and_padding")
 MESSAGE_MARK = "\x00message\x00"  # stands for the user's message while the chat template is rendered
 
 
@@ -43,11 +46,31 @@ def encode_prompts(prompts: list[str], tokenizer, template: str) -> list[list[in
     one ("<|im_start|>assistant" pasted into a question) stays text, as responses do (tokenize_batch)."""
     if template == "plain":
         texts = [format_prompt(p, tokenizer, template) for p in prompts]
-        return tokenizer(texts, split_special_tokens=True)["input_ids"]
+        return encode_texts(tokenizer, texts, add_special_tokens=True, split_special_tokens=True)
     frame = chat_frame(tokenizer)
     if frame is None:
         texts = [format_prompt(p, tokenizer, template) for p in prompts]
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
     before, after = tokenizer(list(frame), add_special_tokens=False)["input_ids"]
-    messages = tokenizer(prompts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    messages = encode_texts(tokenizer, prompts, add_special_tokens=False, split_special_tokens=True)
     return [before + ids + after for ids in messages]
+
+
+def encode_texts(tokenizer, texts: list[str], add_special_tokens: bool, split_special_tokens: bool) -> list[list[int]]:
+    """The ids `tokenizer(texts, add_special_tokens=..., split_special_tokens=...)["input_ids"]` gives. A fast
+    tokenizer that encodes as transformers' own class does is asked for them directly, without the character
+    offsets and the per-text dicts its call builds, which nothing here reads."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or any(getattr(type(tokenizer), name) is not getattr(PreTrainedTokenizerFast, name)
+                              for name in ENCODING_METHODS):
+        return tokenizer(texts, add_special_tokens=add_special_tokens,
+                         split_special_tokens=split_special_tokens)["input_ids"]
+    # As transformers' call does: none of the padding or truncation an earlier call may have left in the backend.
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    backend.encode_special_tokens = split_special_tokens
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]

@@ -26,11 +26,14 @@ from gpt4all_training.config.blocks import Examples
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.chat import UNRENDERED, require_trainable_chat, tokenized_conversations, unrendered_refusal
 from gpt4all_training.data.conversations import is_text
-from gpt4all_training.data.prompts import encode_prompts, resolve_template
+from gpt4all_training.data.prompts import encode_prompts, encode_texts, resolve_template
 from gpt4all_training.data.records import load_records, record_location, record_sources
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_file
 
+# Rows per call of the map function: each call's fixed costs (its tokenizer calls, Arrow conversion) spread over
+# many rows, while a batch's Python objects stay a few megabytes.
+MAP_BATCH = 1000
 
 # ---------------------------------------------------------------- labels (pure)
 
@@ -112,7 +115,7 @@ def encode_responses(responses: list[Any], tokenizer) -> list[list[int]]:
     """Token ids of responses (anything that is not text encodes as nothing). Text that spells a special token
     ("<|endoftext|>" quoted in an answer) stays text: an EOS mid-answer would teach the model to stop there."""
     texts = [r if is_text(r) else "" for r in responses]
-    return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return encode_texts(tokenizer, texts, add_special_tokens=False, split_special_tokens=True)
 
 
 def tokenize_batch(batch: dict[str, list], tokenizer, max_length: int, template: str) -> dict[str, list]:
@@ -182,15 +185,26 @@ def tokenize_dataset(ds, tokenizer, max_length: int, template: str, num_proc: in
     features = tokenized_features(ds.features)
     if len(ds) == 0:
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
-    if "messages" not in ds.column_names:
-        return ds.map(tokenize_batch, batched=True, batch_size=256, num_proc=num_proc, features=features,
-                      fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template},
-                      desc="tokenizing")
-    require_trainable_chat(tokenizer, template, "conversations")
-    return ds.map(tokenize_by_shape, batched=True, batch_size=256, num_proc=num_proc, features=features,
-                  fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "template": template,
-                             "train_turns": train_turns, "train_reasoning": train_reasoning},
-                  desc="tokenizing")
+    shaped = "messages" in ds.column_names
+    if shaped:
+        require_trainable_chat(tokenizer, template, "conversations")
+    # Only the columns tokenizing reads become Python objects; the others (source, index, any field of the records)
+    # go from the input's Arrow table to the output's as they are.
+    columns = [name for name in ("prompt", "response", "messages", "tools") if name in ds.column_names]
+    return ds.map(tokenize_columns, input_columns=columns, batched=True, batch_size=MAP_BATCH, num_proc=num_proc,
+                  features=features, desc="tokenizing",
+                  fn_kwargs={"names": columns, "shaped": shaped, "tokenizer": tokenizer, "max_length": max_length,
+                             "template": template, "train_turns": train_turns, "train_reasoning": train_reasoning})
+
+
+def tokenize_columns(*values: list, names: list[str], shaped: bool, tokenizer, max_length: int, template: str,
+                     train_turns: str, train_reasoning: bool) -> dict[str, list]:
+    """The batched `datasets.map` function of tokenize_dataset: the columns `names` (their `values`, in order) as a
+    batch for tokenize_by_shape (a dataset with conversations) or tokenize_batch."""
+    batch = dict(zip(names, values))
+    if shaped:
+        return tokenize_by_shape(batch, tokenizer, max_length, template, train_turns, train_reasoning)
+    return tokenize_batch(batch, tokenizer, max_length, template)
 
 
 def effective_num_proc(config: Examples, n_rows: int) -> int | None:
@@ -294,16 +308,16 @@ def load_data(config: TrainConfig, tokenizer, records=None):
     records = load_records(config.dataset_path, config.revision) if records is None else records
     if len(records) == 0:
         raise UserError(f"dataset_path {config.dataset_path}: no records")
-    train_raw, val_raw = split_records(records, config.val_fraction, config.seed)
     template = resolve_template(config.prompt_template, tokenizer)
-    splits, stats = [], []
-    tokenized_splits = [tokenize_dataset(raw, tokenizer, config.max_length, template,
-                                         effective_num_proc(config, len(raw)), config.train_turns,
-                                         config.train_reasoning) for raw in (train_raw, val_raw)]
-    refuse_unrendered(tokenized_splits, config.dataset_path)
+    # Tokenized in stored order, then split: the split chooses rows by their number alone (split_records), so each
+    # split holds the same rows as the records' split would, while the map reads the records in contiguous batches.
+    tokenized = tokenize_dataset(records, tokenizer, config.max_length, template,
+                                 effective_num_proc(config, len(records)), config.train_turns, config.train_reasoning)
+    refuse_unrendered([tokenized], config.dataset_path)
     sources = record_sources(config.dataset_path)
-    for tokenized in tokenized_splits:
-        kept, split_stats = finish_split(tokenized, sources=sources)
+    splits, stats = [], []
+    for split in split_records(tokenized, config.val_fraction, config.seed):
+        kept, split_stats = finish_split(split, sources=sources)
         splits.append(kept)
         stats.append(split_stats)
     if len(splits[0]) == 0:

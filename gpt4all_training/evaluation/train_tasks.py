@@ -23,6 +23,7 @@ from gpt4all_training.errors import UserError
 from gpt4all_training.evaluation.harness import EvalSettings, Keys, evaluate, load_tasks, score, task_manager_for
 from gpt4all_training.evaluation.results import (interval_table, report_rows, results_table, tracker_metrics,
                                                 write_results)
+from gpt4all_training.run_folder import EVAL_DIR, final_folder
 from gpt4all_training.tracking.report import write_report
 from gpt4all_training.tracking.tracker import Tracker
 
@@ -47,8 +48,8 @@ def evaluate_final(config: TrainConfig, summary: dict[str, Any], log: Callable[[
     """Score final/ on eval_tasks; write and log the results at the run's last step, and write report.html again
     with the scores and their intervals."""
     output_dir = Path(config.output_dir)
-    results = evaluate(str(output_dir / "final"), settings_of(config), KEYS)
-    path = write_results(results, output_dir / "eval")
+    results = evaluate(str(final_folder(output_dir)), settings_of(config), KEYS)
+    path = write_results(results, output_dir / EVAL_DIR)
     tracker = Tracker(output_dir, config, config.to_dict(), enabled=True, resume_step=summary["steps"])
     with contextlib.closing(tracker):
         tracker.log(tracker_metrics(results), summary["steps"])

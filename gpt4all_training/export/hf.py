@@ -16,7 +16,6 @@ Both formats carry the chat template and its end-of-turn token (export/template.
 from __future__ import annotations
 
 import errno
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +30,8 @@ from gpt4all_training.export.agreement import Agreement, measure
 from gpt4all_training.export.gguf import TYPES, check_architecture, read_gguf_strings, write_gguf
 from gpt4all_training.export.template import (add_template_to_tokenizer_config, ollama_modelfile, sampling_card,
                                               stop_token_ids)
-from gpt4all_training.files import new_folder, writable_folder
+from gpt4all_training.backends.deepspeed import deepspeed_pickled_types
+from gpt4all_training.files import MARKER, check_tensor_files, marker_problem, new_folder, writable_folder
 from gpt4all_training.model.loading import (adapter_base, adapter_quantization, is_adapter_folder, load_model,
                                             load_tokenizer)
 from gpt4all_training.model.names import portable_name, resolved_name
@@ -39,8 +39,9 @@ from gpt4all_training.model.quantization import (describe_settings, is_quantized
                                                  logit_gap, merge_gap_line, merge_measured, prompt_logits,
                                                  quantization_settings)
 from gpt4all_training.readers import parse_yaml, read_json, read_model_config, read_text, read_yaml
+from gpt4all_training.run_folder import (CONFIG_FILE, MERGED_DIR, METRICS_FILE, MODEL_DIR, STATE_FILE,
+                                         is_merged_folder, run_of)
 from gpt4all_training.tracking.tracker import read_metrics
-from gpt4all_training.training.checkpoint import MARKER, check_deepspeed_files, verify
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_DTYPE = {"hf": "bf16", "gguf": "q8_0"}
@@ -90,27 +91,18 @@ class ExportSource:
 # ---------------------------------------------------------------- reading the input
 
 
-def run_folder(source: Path) -> Path | None:
-    """The training output_dir above a `step_N/`, `final/` or `final/merged/` input, where metrics.jsonl lives."""
-    if source.name == "merged" and source.parent.name == "final":
-        return source.parent.parent
-    if source.name == "final" or re.fullmatch(r"step_\d+", source.name):
-        return source.parent
-    return None
-
-
 def read_run_info(source: Path) -> RunInfo:
     folders = [source] if source.is_dir() else []
-    if source.name == "merged" and source.parent.name == "final":
+    if is_merged_folder(source):
         folders.append(source.parent)  # final/config.yaml: the run that trained the adapter merged here
-    if (run_dir := run_folder(source)) is not None:
-        folders.append(run_dir)
+    if (run_dir := run_of(source)) is not None:
+        folders.append(run_dir)  # where metrics.jsonl lives
     info = RunInfo()
-    if config_path := _first(folders, "config.yaml"):
+    if config_path := _first(folders, CONFIG_FILE):
         info.config = run_mapping(read_yaml(config_path, "--from") or {}, config_path)
-    if state_path := _first(folders, "state.json"):
+    if state_path := _first(folders, STATE_FILE):
         info.state = run_mapping(read_json(state_path, "--from"), state_path)
-    if metrics_path := _first(folders, "metrics.jsonl"):
+    if metrics_path := _first(folders, METRICS_FILE):
         info.losses, info.last_logged_step = final_losses(metrics_path)
     return info
 
@@ -163,7 +155,7 @@ def consolidate_zero_checkpoint(checkpoint_dir: Path, tag: str) -> dict[str, tor
     """fp32 weights gathered from every rank's ZeRO-2/3 partition, once the files are checked to hold no code."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    check_deepspeed_files(checkpoint_dir / tag)
+    check_tensor_files(checkpoint_dir / tag, deepspeed_pickled_types())
     return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
 
@@ -216,7 +208,7 @@ def merged_quantized(path: Path, model, tokenizer, run_config: dict[str, Any]) -
     if is_quantized(model):
         return merge_measured(model, tokenizer, "float32")
     settings = quantization_settings(run_config)
-    if not (is_quantizing(settings) and path.name == "merged" and is_adapter_folder(str(path.parent))):
+    if not (is_quantizing(settings) and path.name == MERGED_DIR and is_adapter_folder(str(path.parent))):
         return model, None
     trained = load_model(str(path.parent), dtype=torch.float32)  # the adapter over its base quantized again
     keep_weight_layout(trained)
@@ -288,10 +280,10 @@ def load_source(source: str, base: str | None = None) -> ExportSource:
     path = Path(resolved_name(source))  # a packaged model's short name (smollm2) is its file
     if not path.exists():
         raise UserError(f"--from {source}: not found")
-    if (path / MARKER).is_file() and (problem := verify(path)):  # a checkpoint or final/ that lists its files
+    if (path / MARKER).is_file() and (problem := marker_problem(path)):  # a checkpoint or final/ that lists its files
         raise UserError(f"--from {source}: {problem}; export another checkpoint")
     run = read_run_info(path)
-    model_dir = path / "model" if (path / "model").is_dir() else path
+    model_dir = path / MODEL_DIR if (path / MODEL_DIR).is_dir() else path
     base_name = resolve_base(base, run.config) if base else None
     if path.is_file():
         if path.suffix != ".gguf":
@@ -325,7 +317,7 @@ def local_config(source: Path, base: str | None):
     """The model config when it is on disk next to the input (the model's own, or its adapter's base)."""
     from transformers import AutoConfig
 
-    model_dir = source / "model" if (source / "model").is_dir() else source
+    model_dir = source / MODEL_DIR if (source / MODEL_DIR).is_dir() else source
     candidates = [base, str(model_dir)]
     if base is None and is_adapter_folder(str(model_dir)):
         candidates.append(adapter_base(str(model_dir)))

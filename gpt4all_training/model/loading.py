@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,8 @@ from gpt4all_training.model.quantization import (bnb_config, describe_settings, 
                                                  is_quantizing, quantization_settings)
 from gpt4all_training.paths import closest_sibling
 from gpt4all_training.readers import parse_json, read_json, read_text, shown_path
+from gpt4all_training.run_folder import (CONFIG_FILE, MERGED_DIR, MODEL_DIR, STATE_FILE, is_final_folder,
+                                         is_step_folder)
 
 # Files a tokenizer is read from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -28,8 +29,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                         "vocab.json")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-CHECKPOINT_DIR = re.compile(r"step_\d+")
-RUN_CONFIG_FILE = "config.yaml"  # what training writes into each step_N/ and final/ (training/checkpoint.py)
 
 
 def model_source(name: str, gguf_file: str | None = None, key: str = "model_name") -> tuple[str, dict[str, Any]]:
@@ -50,8 +49,8 @@ def model_source(name: str, gguf_file: str | None = None, key: str = "model_name
     if (missing := missing_path_error(name, key)) is not None:
         raise missing
     path = Path(name).expanduser()
-    if (path / "model").is_dir() and (path / "state.json").is_file():
-        instead = (f"give its model folder, {path / 'model'} (a checkpoint holds no tokenizer: set tokenizer_name to "
+    if (path / MODEL_DIR).is_dir() and (path / STATE_FILE).is_file():
+        instead = (f"give its model folder, {path / MODEL_DIR} (a checkpoint holds no tokenizer: set tokenizer_name to "
                    f"the base model)" if key == "model_name" else "give the base model's tokenizer")
         raise UserError(f"{key}: {name} is a training checkpoint; {instead}")
     return name, {}
@@ -195,17 +194,17 @@ def adapter_base(adapter_dir: str) -> str:
 
 
 def is_checkpoint(path: Path) -> bool:
-    return CHECKPOINT_DIR.fullmatch(path.name) is not None and (path / "model").is_dir()
+    return is_step_folder(path) and (path / MODEL_DIR).is_dir()
 
 
 def training_run_config(name: str) -> tuple[Path, dict[str, Any]] | None:
     """(its file, the config) of the training run that wrote the model at `name`: the config.yaml in a checkpoint
     `step_N/` or in `final/`, also found from their `model/` and `merged/` folders; None for any other model."""
     path = Path(name)
-    folders = [path, path.parent] if path.name in ("model", "merged") else [path]
+    folders = [path, path.parent] if path.name in (MODEL_DIR, MERGED_DIR) else [path]
     for folder in folders:
-        file = folder / RUN_CONFIG_FILE
-        if file.is_file() and (is_checkpoint(folder) or folder.name == "final"):
+        file = folder / CONFIG_FILE
+        if file.is_file() and (is_checkpoint(folder) or is_final_folder(folder)):
             run = yaml.safe_load(file.read_text(encoding="utf-8"))
             return (file, run) if isinstance(run, dict) else None
     return None

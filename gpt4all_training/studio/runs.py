@@ -38,14 +38,15 @@ from gpt4all_training.config.loader import read_yaml
 from gpt4all_training.config.secrets import scrub
 from gpt4all_training.errors import UserError
 from gpt4all_training.studio.configs import ACCELERATE_DIR, check_values, load_in, require_run_folder
-from gpt4all_training.studio.supervise import EXIT_FILE, LAUNCHERS, LOG_FILE
+from gpt4all_training.studio.supervise import LAUNCHERS
 from gpt4all_training.studio.workdir import RUNS_DIR, Workdir
 from gpt4all_training.tracking.tracker import read_metrics
-from gpt4all_training.training.checkpoint import FINAL_DIR, MARKER, checkpoint_dirs
+from gpt4all_training.files import MARKER, atomic_write
+from gpt4all_training.run_folder import (EXIT_FILE, FINAL_DIR, LOG_FILE, METRICS_FILE, RECORD_FILE, REPORT_FILE,
+                                         final_folder, step_folders)
 
 log = logging.getLogger("gpt4all_training.studio")
 
-RECORD_FILE = "studio.json"
 LOG_TAIL_LINES = 40
 STOPPING_SIGNALS = ("SIGTERM", "SIGINT")
 
@@ -171,9 +172,7 @@ def read_record(folder: Path, name: str, shape: type[Record]) -> Optional[Record
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(value, indent=1))
 
 
 def alive(record: Optional[RunRecord]) -> bool:
@@ -211,10 +210,10 @@ def error_line(folder: Path) -> Optional[str]:
 def run_state(folder: Path, record: Optional[RunRecord], ended: Optional[ExitRecord]) -> str:
     if alive(record) and ended is None:
         return "running"
-    final = (folder / FINAL_DIR / MARKER).is_file()
+    final = (final_folder(folder) / MARKER).is_file()
     if ended is not None and ended.exit_code == 0 or ended is None and final:
         return "finished"
-    complete = [step for step, path in checkpoint_dirs(folder) if (path / MARKER).is_file()]
+    complete = [step for step, path in step_folders(folder) if (path / MARKER).is_file()]
     stopped = ended is not None and (ended.stop_signal in STOPPING_SIGNALS
                                      or ended.exit_code in (128 + signal.SIGTERM, 128 + signal.SIGINT))
     if stopped or ended is None and complete:
@@ -227,16 +226,16 @@ def run_info(workdir: Workdir, folder: Path, detail: bool = False) -> dict[str, 
     record = read_record(folder, RECORD_FILE, RunRecord)
     ended = read_record(folder, EXIT_FILE, ExitRecord)
     state = run_state(folder, record, ended)
-    rows = read_metrics(folder / "metrics.jsonl")
+    rows = read_metrics(folder / METRICS_FILE)
     training = [row for row in rows if "loss" in row]
-    checkpoints = [step for step, path in checkpoint_dirs(folder) if (path / MARKER).is_file()]
+    checkpoints = [step for step, path in step_folders(folder) if (path / MARKER).is_file()]
     max_steps = None
     if record and workdir.path(record.config, "config").is_file():
         max_steps = read_yaml(workdir.path(record.config, "config")).get("max_steps")
     info = {"name": folder.name, "output_dir": workdir.relative(folder), "state": state,
             "step": training[-1]["step"] if training else 0, "max_steps": max_steps,
             "last": training[-1] if training else None, "checkpoints": checkpoints,
-            "final": workdir.relative(folder / FINAL_DIR) if (folder / FINAL_DIR / MARKER).is_file() else None,
+            "final": workdir.relative(final_folder(folder)) if (final_folder(folder) / MARKER).is_file() else None,
             "command": record.command if record else None, "config": record.config if record else None,
             "launch": dataclasses.asdict(record.launch) if record and record.launch else None,
             "exit_code": ended.exit_code if ended else None,
@@ -245,12 +244,12 @@ def run_info(workdir: Workdir, folder: Path, detail: bool = False) -> dict[str, 
         info["error"] = error_line(folder)
     if detail:
         info["log"] = log_tail(folder)
-        info["report"] = workdir.relative(folder / "report.html") if (folder / "report.html").is_file() else None
+        info["report"] = workdir.relative(folder / REPORT_FILE) if (folder / REPORT_FILE).is_file() else None
     return info
 
 
 def is_run_folder(folder: Path) -> bool:
-    return folder.is_dir() and any((folder / name).exists() for name in (RECORD_FILE, "metrics.jsonl", FINAL_DIR))
+    return folder.is_dir() and any((folder / name).exists() for name in (RECORD_FILE, METRICS_FILE, FINAL_DIR))
 
 
 class Runs:

@@ -14,7 +14,6 @@ writes a checkpoint and exits (training/stop.py).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,8 +22,9 @@ from pathlib import Path
 
 import psutil
 
-LOG_FILE = "train.log"
-EXIT_FILE = "studio_exit.json"
+from gpt4all_training.files import atomic_write
+from gpt4all_training.run_folder import EXIT_FILE, LOG_FILE
+
 LAUNCHERS = ("python", "accelerate")
 
 
@@ -40,10 +40,8 @@ def training_processes(child: subprocess.Popen, launcher: str) -> list[psutil.Pr
 
 
 def write_exit(output_dir: Path, code: int, stop_signal: str | None) -> None:
-    tmp = output_dir / f".{EXIT_FILE}.tmp"
-    tmp.write_text(json.dumps({"exit_code": code, "stop_signal": stop_signal, "ended": time.time()}),
-                   encoding="utf-8")
-    os.replace(tmp, output_dir / EXIT_FILE)
+    atomic_write(output_dir / EXIT_FILE,
+                 json.dumps({"exit_code": code, "stop_signal": stop_signal, "ended": time.time()}))
 
 
 def supervise(output_dir: Path, launcher: str, command: list[str]) -> int:

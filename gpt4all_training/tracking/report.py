@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from gpt4all_training.files import atomic_write
 from gpt4all_training.intervals import proportion
+from gpt4all_training.run_folder import METRICS_FILE, REPORT_FILE
 from gpt4all_training.tracking.tracker import read_metrics
 
 # (panel id, title, y label, [(metric, legend label)], log scale when the values span more than 100x)
@@ -181,7 +182,7 @@ def write_report(output_dir: str | Path, summary: dict[str, Any],
     """report.html: the panels of metrics.jsonl, the held-out scores with their intervals (the run's own, then
     `harness_rows` from an evaluation of final/) and the summary."""
     output_dir = Path(output_dir)
-    rows = read_metrics(output_dir / "metrics.jsonl")
+    rows = read_metrics(output_dir / METRICS_FILE)
     panels = []
     if (svg := loss_panel(rows)) is not None:
         panels.append(figure("loss", svg))
@@ -202,4 +203,4 @@ def write_report(output_dir: str | Path, summary: dict[str, Any],
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>training report</title>"
             f"<style>{PAGE_STYLE}</style></head><body><h1>Training report</h1>{body}{intervals}"
             f"<h2>Summary</h2><table>{table}</table></body></html>")
-    return atomic_write(output_dir / "report.html", page)
+    return atomic_write(output_dir / REPORT_FILE, page)

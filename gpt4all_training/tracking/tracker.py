@@ -18,9 +18,9 @@ from gpt4all_training.config.blocks import Logging
 from gpt4all_training.config.secrets import redact, scrub, streams_beneath_scrubbing
 from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.files import atomic_write
+from gpt4all_training.run_folder import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 
 SECRET_KEYS = ("token", "password", "secret", "api_key")
-WANDB_ID_FILE = "wandb_run_id"
 
 
 def public_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +82,7 @@ class Tracker:
                  resume_step: int = 0):
         report_to = settings.report_to
         self.enabled = enabled
-        self.metrics_path = Path(output_dir) / "metrics.jsonl"
+        self.metrics_path = Path(output_dir) / METRICS_FILE
         self.jsonl = enabled and "jsonl" in report_to
         self.tensorboard = self.wandb_run = None
         if not enabled:
@@ -98,7 +98,7 @@ class Tracker:
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step + 1)
+            self.tensorboard = SummaryWriter(str(Path(output_dir) / TENSORBOARD_DIR), purge_step=resume_step + 1)
         if "wandb" in report_to:
             with streams_beneath_scrubbing():  # wandb's copy of the console (its run file) gets the scrubbed lines
                 import wandb

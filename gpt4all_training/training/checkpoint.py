@@ -1,4 +1,5 @@
 """What a checkpoint holds, writing it so a crash never leaves a half checkpoint that gets loaded, and resuming.
+The names of the run folder and of a checkpoint's files are run_folder.py's.
 
 `output_dir/step_N/` holds:
 - `model/`: the full model or the adapter (safetensors), `optimizer.pt`, `scheduler.pt`, and `scaler.pt` when
@@ -44,9 +45,7 @@ or by one of this run past the step it resumes from) is renamed `step_N.set-asid
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 import secrets
 import shutil
 from dataclasses import dataclass, field
@@ -58,28 +57,25 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from gpt4all_training.backends.deepspeed import deepspeed_pickled_types
 from gpt4all_training.config.blocks import Checkpoints
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError, UserError, write_failure
 # The crash-safe file pieces, under the names readers of checkpoints import from here.
-from gpt4all_training.files import MARKER, atomic_write, fsync_dir, fsync_tree, load_tensors
+from gpt4all_training.files import MARKER, atomic_write, check_tensor_files, load_tensors, move, replace_folder
 from gpt4all_training.files import marker_problem as verify
 from gpt4all_training.files import save_tensors as torch_save
 from gpt4all_training.files import sha256_file as sha256  # noqa: F401
 from gpt4all_training.files import write_marker
 from gpt4all_training.model.build import recorded_base_fingerprint
+from gpt4all_training.run_folder import (CONFIG_FILE, DATA_STATE_FILE, MODEL_DIR, OBJECTIVE_DIR, OPTIMIZER_FILE,
+                                         RNG_DIR, RUN_ID_FILE, RUN_OUTPUTS, SCALER_FILE, SCHEDULER_FILE, STATE_FILE,
+                                         building_folder, building_step_folders, final_folder, set_aside_checkpoint,
+                                         set_aside_folder, set_aside_folders, step_folder, step_folders)
 from gpt4all_training.training.resume_config import (NEW_OUTPUT_DIR, check_config_changes, config_changes,
                                                      described, hyperparameters, refuse_changes,
                                                      restore_hyperparameters)
 from gpt4all_training.training.state import TrainState
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
-TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
-RUN_ID_FILE = "run_id"  # in output_dir: the id of the run last started there
-FINAL_DIR = "final"
-CONFIG_FILE = "config.yaml"  # the run's config, redacted, in every checkpoint and in final/
-OBJECTIVE_DIR = "objective"  # in a checkpoint: each rank's objective state, when it has one
 # Saved in state.json; if any differs at resume, global step s would be other examples than it was.
 SAMPLER_KEYS = ("seed", "n_examples", "examples_per_step", "group_by_length")
 
@@ -149,34 +145,10 @@ def check_resumable(state: dict[str, Any], sampler, folder: Path) -> None:
 
 # ---------------------------------------------------------------- files
 
-def check_deepspeed_files(folder: Path) -> None:
-    """check_engine_files for DeepSpeed's engine state."""
-    check_engine_files(folder, deepspeed_pickled_types())
-
-
-def check_engine_files(folder: Path, allowed: list[type]) -> None:
-    """Refuse engine state (deepspeed/, fsdp/) whose files hold more than tensors, plain values and the `allowed`
-    classes. DeepSpeed reads its files with weights_only=False, which runs whatever code a pickle names, so each file
-    is opened by the weights-only unpickler first; memory-mapped, so this checks the structure without reading
-    tensors."""
-    with torch.serialization.safe_globals([*allowed]):
-        for path in sorted(folder.rglob("*.pt")):
-            load_tensors(path, map_location="cpu", mmap=True)
-
-
-def checkpoint_dirs(output_dir: str | Path, pattern: re.Pattern = STEP_DIR) -> list[tuple[int, Path]]:
-    """(step, folder) for every step_N folder (or, with TMP_DIR, every step_N.tmp), oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := pattern.match(p.name))]
-    return sorted(found)
-
-
 def saved_run_id(folder: Path) -> str | None:
     """The run id in the checkpoint's state.json; None when it has none (written before run ids) or is unreadable."""
     try:
-        return json.loads((folder / "state.json").read_text(encoding="utf-8")).get("run_id")
+        return json.loads((folder / STATE_FILE).read_text(encoding="utf-8")).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -210,20 +182,18 @@ def latest_checkpoint(output_dir: str | Path, log: Callable[[str], Any] = print,
     """The newest checkpoint that verifies, of the run `run_id` when given. Another run's checkpoints, interrupted
     saves and corrupted checkpoints are reported and skipped."""
     verified = {} if verified is None else verified
-    newest = None
-    for _, folder in reversed(checkpoint_dirs(output_dir)):
+    newest, newest_step = None, -1
+    for step, folder in reversed(step_folders(output_dir)):
         if run_id is not None and (other := saved_run_id(folder)) != run_id:
             log(f"skipping checkpoint {folder}: written by another run ({other or 'without a run id'}), not by "
                 f"{Path(output_dir) / RUN_ID_FILE}'s run {run_id}; to continue that run, pass checkpoint={folder}")
             continue
         problem = checked(folder, verified)
         if problem is None:
-            newest = folder
+            newest, newest_step = folder, step
             break
         log(f"skipping checkpoint {folder}: {problem}")
-    match = STEP_DIR.match(newest.name) if newest else None
-    newest_step = int(match.group(1)) if match else -1
-    for step, folder in checkpoint_dirs(output_dir, TMP_DIR):
+    for step, folder in building_step_folders(output_dir):
         if step > newest_step:
             log(f"skipping {folder}: a save that was interrupted; it is never loaded")
     return newest
@@ -231,7 +201,7 @@ def latest_checkpoint(output_dir: str | Path, log: Callable[[str], Any] = print,
 
 def previous_checkpoint_note(output_dir: Path, run_id: str | None = None) -> str:
     """Which checkpoint a failed write leaves to resume from: the newest complete one (of run `run_id`, when given)."""
-    complete = [p for _, p in checkpoint_dirs(output_dir)
+    complete = [p for _, p in step_folders(output_dir)
                 if (p / MARKER).is_file() and (run_id is None or saved_run_id(p) == run_id)]
     return f"the previous checkpoint {complete[-1]} is intact" if complete else "there is no earlier checkpoint"
 
@@ -242,13 +212,13 @@ def rotate(output_dir: str | Path, run_id: str, keep_last: int | None, keep_ever
     checkpoint a resume started from) older than its newest `keep_last` valid ones, sparing multiples of
     `keep_every` (permanent). Another run's checkpoints, and corrupt ones newer than those kept, are left alone.
     Main process only, never during a save."""
-    for _, folder in checkpoint_dirs(output_dir, TMP_DIR):
+    for _, folder in building_step_folders(output_dir):
         shutil.rmtree(folder, ignore_errors=True)
-    shutil.rmtree(Path(output_dir) / (FINAL_DIR + ".tmp"), ignore_errors=True)
+    shutil.rmtree(building_folder(final_folder(output_dir)), ignore_errors=True)
     if keep_last is None:
         return
     verified = {} if verified is None else verified
-    ours = [(step, folder) for step, folder in checkpoint_dirs(output_dir)
+    ours = [(step, folder) for step, folder in step_folders(output_dir)
             if folder == started_from or saved_run_id(folder) == run_id]
     valid = 0
     for step, folder in reversed(ours):
@@ -262,9 +232,9 @@ def rotate(output_dir: str | Path, run_id: str, keep_last: int | None, keep_ever
 def set_aside(folder: Path, log: Callable[[str], Any], why: str) -> Path:
     """Rename a checkpoint this run must not overwrite to step_N.set-aside-K (a name nothing loads or rotates)."""
     number = 1
-    while (target := folder.with_name(f"{folder.name}.set-aside-{number}")).exists():
+    while (target := set_aside_checkpoint(folder, number)).exists():
         number += 1
-    os.replace(folder, target)
+    move(folder, target)
     log(f"{why}: renamed {folder} to {target.name}; nothing loads or deletes it")
     return target
 
@@ -279,37 +249,34 @@ def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: d
     A failed write (a full disk, a quota) removes the partial `.tmp` folder and raises a one-line TrainingError;
     the previous checkpoints are untouched, since nothing is deleted before a save completes.
     """
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = building_folder(folder)
     try:
         if backend.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "rng").mkdir(parents=True)
+            (tmp / RNG_DIR).mkdir(parents=True)
         backend.wait_for_everyone()
         state_dict = backend.saveable_state_dict(model)  # gathers ZeRO-3 shards: every rank must call it
-        torch_save(rng_state(), tmp / "rng" / f"rank{backend.rank}.pt")
+        torch_save(rng_state(), tmp / RNG_DIR / f"rank{backend.rank}.pt")
         if objective_state:
             (tmp / OBJECTIVE_DIR).mkdir(exist_ok=True)
             torch_save(objective_state, tmp / OBJECTIVE_DIR / f"rank{backend.rank}.pt")
         if backend.engine_saves_state:
             backend.save_engine_state(model, optimizer, tmp / backend.engine_state_dir)
         if backend.is_main_process:
-            backend.unwrap(model).save_pretrained(tmp / "model", state_dict=state_dict, safe_serialization=True)
+            backend.unwrap(model).save_pretrained(tmp / MODEL_DIR, state_dict=state_dict, safe_serialization=True)
             if not backend.engine_saves_state:
-                torch_save(backend.optimizer_state_dict(optimizer), tmp / "optimizer.pt")
-            torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+                torch_save(backend.optimizer_state_dict(optimizer), tmp / OPTIMIZER_FILE)
+            torch_save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
             if backend.scaler is not None:
-                torch_save(backend.scaler.state_dict(), tmp / "scaler.pt")
+                torch_save(backend.scaler.state_dict(), tmp / SCALER_FILE)
             if data_state is not None:
-                torch_save(data_state, tmp / "data_state.pt")
-            (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+                torch_save(data_state, tmp / DATA_STATE_FILE)
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
             (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         backend.wait_for_everyone()
         if backend.is_main_process:
             write_marker(tmp)
-            fsync_tree(tmp)
-            shutil.rmtree(folder, ignore_errors=True)
-            os.replace(tmp, folder)
-            fsync_dir(folder.parent)
+            replace_folder(tmp, folder)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
         if backend.is_main_process:  # the one writer of the folder; a later rotate() sweeps what remains
             shutil.rmtree(tmp, ignore_errors=True)
@@ -325,7 +292,7 @@ def save_step_checkpoint(output_dir: Path, state: TrainState, checkpointer: Chec
                          scheduler) -> Path:
     """The loop's checkpoint: step_N/ with the sampler's state and the run's identity, then rotation of older ones."""
     backend = checkpointer.backend
-    folder = output_dir / f"step_{state.step}"
+    folder = step_folder(output_dir, state.step)
     if backend.is_main_process and folder.is_dir() and saved_run_id(folder) != checkpointer.lineage.run_id:
         set_aside(folder, backend.print, f"{folder.name} holds another run's checkpoint")
     save_checkpoint(folder, backend, model, optimizer, scheduler,
@@ -373,7 +340,7 @@ class Checkpointer:
 
     def last_kept(self) -> Path | None:
         """The newest complete checkpoint of this run (or the one it resumed from): what a failed end leaves."""
-        ours = [folder for _, folder in checkpoint_dirs(self.output_dir) if (folder / MARKER).is_file()
+        ours = [folder for _, folder in step_folders(self.output_dir) if (folder / MARKER).is_file()
                 and (folder == self.lineage.started_from or saved_run_id(folder) == self.lineage.run_id)]
         return ours[-1] if ours else None
 
@@ -415,31 +382,24 @@ def load_checkpoint(folder: Path, backend, model, optimizer, scheduler,
             raise UserError(f"checkpoint {folder}: written without {backend.engine_name}, so it has no engine state "
                             f"to resume a {backend.engine_name} run from; resume it with the launcher it was written "
                             f"with")
-        check_engine_files(engine_dir, backend.engine_pickled_types())
+        check_tensor_files(engine_dir, backend.engine_pickled_types())
         backend.load_engine_state(model, optimizer, engine_dir)
     else:
-        if not (folder / "optimizer.pt").is_file():
+        if not (folder / OPTIMIZER_FILE).is_file():
             raise UserError(f"checkpoint {folder}: written under DeepSpeed or FSDP2 (its state is in deepspeed/ or "
                             f"fsdp/); resume it with the same launch")
-        load_model_weights(backend.unwrap(model), folder / "model")
-        optimizer.load_state_dict(load_tensors(folder / "optimizer.pt", map_location="cpu"))
-    scheduler.load_state_dict(load_tensors(folder / "scheduler.pt"))
-    if (folder / "scaler.pt").is_file() and backend.scaler is not None:
-        backend.scaler.load_state_dict(load_tensors(folder / "scaler.pt"))
-    rng_file = folder / "rng" / f"rank{backend.rank}.pt"
+        load_model_weights(backend.unwrap(model), folder / MODEL_DIR)
+        optimizer.load_state_dict(load_tensors(folder / OPTIMIZER_FILE, map_location="cpu"))
+    scheduler.load_state_dict(load_tensors(folder / SCHEDULER_FILE))
+    if (folder / SCALER_FILE).is_file() and backend.scaler is not None:
+        backend.scaler.load_state_dict(load_tensors(folder / SCALER_FILE))
+    rng_file = folder / RNG_DIR / f"rank{backend.rank}.pt"
     if rng_file.is_file():
         set_rng_state(load_tensors(rng_file))
-    return json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    return json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
 
 
 # ---------------------------------------------------------------- resuming
-
-SET_ASIDE_DIR = re.compile(r"^set-aside-(\d+)$")  # in output_dir: what resume=never moved out of a run's way
-# What runs write into output_dir, less the tokenized-data cache (keyed by content, so still valid for a new run):
-# checkpoints (and their .tmp and set-aside forms), final/, run_id, the metrics, report, trackers and eval results.
-RUN_OUTPUTS = re.compile(r"^(step_\d+(\..+)?|final(\..+)?|run_id(\.tmp)?|metrics\.jsonl(\.tmp)?|report\.html|"
-                         r"tensorboard|wandb|wandb_run_id|eval)$")
-
 
 @dataclass
 class ResumePoint:
@@ -485,7 +445,7 @@ def find_resume_checkpoint(checkpoint: str | None, resume: str | None, output_di
         return None
     run_id = read_run_id(output_dir)
     found = latest_checkpoint(output_dir, log, run_id, verified) if run_id else None
-    existing = checkpoint_dirs(output_dir)
+    existing = step_folders(output_dir)
     if found is None and existing:
         log(f"note: {output_dir} already holds checkpoints (newest {existing[-1][1].name}) but this run starts "
             f"fresh: none is a valid checkpoint of the run last started there ({RUN_ID_FILE}); continue one with "
@@ -496,7 +456,7 @@ def find_resume_checkpoint(checkpoint: str | None, resume: str | None, output_di
 def finished_after(output_dir: Path, folder: Path) -> bool:
     """Whether a complete final/ was written after checkpoint `folder`: by the run named in output_dir/run_id (every
     run rewrites that file when it starts), so that run reached its last step after this checkpoint."""
-    final_marker, marker = output_dir / FINAL_DIR / MARKER, folder / MARKER
+    final_marker, marker = final_folder(output_dir) / MARKER, folder / MARKER
     return final_marker.is_file() and final_marker.stat().st_mtime_ns > marker.stat().st_mtime_ns
 
 
@@ -504,15 +464,14 @@ def start_over(output_dir: Path, log: Callable[[str], Any]) -> None:
     """resume=never: move what earlier runs wrote into output_dir (RUN_OUTPUTS) into output_dir/set-aside-K/, the
     next free K, so the run starts in a fresh folder and nothing of the previous one is deleted. Anything else in
     output_dir stays where it is. Main process only."""
-    taken = [int(m.group(1)) for p in output_dir.iterdir() if (m := SET_ASIDE_DIR.match(p.name))]
+    taken = [number for number, _ in set_aside_folders(output_dir)]
     moving = sorted(p for p in output_dir.iterdir() if RUN_OUTPUTS.match(p.name))
     if not moving:
         return
-    target = output_dir / f"set-aside-{max(taken, default=0) + 1}"
+    target = set_aside_folder(output_dir, max(taken, default=0) + 1)
     target.mkdir()
     for path in moving:
-        os.replace(path, target / path.name)
-    fsync_dir(output_dir)
+        move(path, target / path.name)
     log(f"resume=never: moved the previous run's files ({', '.join(p.name for p in moving)}) into {target}; "
         f"nothing was deleted; training from step 0")
 
@@ -521,7 +480,7 @@ def finished_without_checkpoint(output_dir: Path, config: TrainConfig) -> str:
     """The line for a run into an output_dir whose final/ holds a finished run and no checkpoint to continue it
     from: nothing to do when this config trains what that run trained (final/config.yaml); otherwise refused in one
     line naming the changed keys, since training from step 0 would replace its final/."""
-    path = output_dir / FINAL_DIR / CONFIG_FILE
+    path = final_folder(output_dir) / CONFIG_FILE
     try:
         saved = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
@@ -558,11 +517,11 @@ def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print
             start_over(output_dir, log)
         backend.wait_for_everyone()  # no rank reads output_dir while it is being emptied
     folder = start.folder
-    if folder is None and resume != "never" and (output_dir / FINAL_DIR).is_dir():
+    if folder is None and resume != "never" and final_folder(output_dir).is_dir():
         log(finished_without_checkpoint(output_dir, config))
         start.finished = True
         return start
-    if folder is None and start.rerun and (run_id := read_run_id(output_dir)) and not checkpoint_dirs(output_dir):
+    if folder is None and start.rerun and (run_id := read_run_id(output_dir)) and not step_folders(output_dir):
         # A run stopped before its first save: nothing to continue, no model to keep; only its record is replaced.
         found.insert(0, f"note: the run last started in {output_dir} ({run_id}) left no checkpoint and no final/, "
                         f"so this run starts from step 0 and its metrics replace that run's")
@@ -570,8 +529,8 @@ def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print
         problem = checked(folder, start.verified)
         if problem is not None:
             raise UserError(f"checkpoint {folder}: {problem}; pick another step_N folder")
-        saved_state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        saved = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        saved_state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+        saved = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
         changes = config_changes(saved, config, saved_state, None,
                                  compare_data=not saved_state.get("data_fingerprint"))
         refuse_changes(folder, changes, config, start.alternative)
@@ -617,8 +576,8 @@ def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, s
     folder, verified = start.folder, start.verified
     state, lineage = TrainState(), Lineage(new_run_id(), verified=verified)
     if folder is not None:
-        saved = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        changed = check_config_changes(folder, yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")),
+        saved = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+        changed = check_config_changes(folder, yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8")),
                                        config, saved, fingerprint, sampler.steps_per_epoch, log, start.alternative)
         fresh = hyperparameters(scheduler)
         check_same_base(saved, model, folder)  # before the adapter is loaded over it
@@ -626,12 +585,12 @@ def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, s
         check_resumable(saved, sampler, folder)
         if changed:
             restore_hyperparameters(scheduler, *fresh)
-        if (folder / "data_state.pt").is_file():
+        if (folder / DATA_STATE_FILE).is_file():
             if not getattr(sampler.store, "streaming", False):
                 raise UserError(f"checkpoint {folder}: holds data_state.pt, a streamed run's position, but this run "
                                 f"does not stream its data; resume it with the config it was written with (its "
                                 f"config.yaml), or remove the stray file")
-            sampler.load_data_state(load_tensors(folder / "data_state.pt"))
+            sampler.load_data_state(load_tensors(folder / DATA_STATE_FILE))
         load_objective_state(folder, backend, objective)
         state = TrainState(saved["step"], saved["trained_tokens"])
         lineage = Lineage(saved.get("run_id") or new_run_id(), folder, verified)
@@ -640,7 +599,7 @@ def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, s
             f"{sampler.steps_per_epoch} in it; {state.trained_tokens:,} tokens trained so far)")
     backend.wait_for_everyone()  # every rank has read output_dir before the main process changes it
     if backend.is_main_process:
-        for step, later in checkpoint_dirs(output_dir):
+        for step, later in step_folders(output_dir):
             if step > state.step and saved_run_id(later) == lineage.run_id:
                 set_aside(later, log, f"{later.name} is this run's, past step {state.step} where it resumes")
         write_run_id(output_dir, lineage.run_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,12 +12,13 @@ from safetensors import SafetensorError
 from gpt4all_training.backends.replicas import replica_mismatches
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError, write_failure
-from gpt4all_training.files import fsync_dir, fsync_tree, write_marker
+from gpt4all_training.files import replace_folder, write_marker
 from gpt4all_training.model.build import quantized_whole_copy
 from gpt4all_training.model.quantization import DTYPES, is_quantized, merge_measured
 from gpt4all_training.tracking.hub import push_folder
 from gpt4all_training.tracking.report import write_report
-from gpt4all_training.training.checkpoint import CONFIG_FILE, FINAL_DIR, Checkpointer
+from gpt4all_training.run_folder import CONFIG_FILE, MERGED_DIR, building_folder, final_folder, merged_folder
+from gpt4all_training.training.checkpoint import Checkpointer
 
 
 def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config_yaml: str,
@@ -32,22 +32,13 @@ def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config
     unwrapped = backend.unwrap(model)
     if not backend.is_main_process:
         return
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = building_folder(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_final(unwrapped, backend, state_dict, tokenizer, tmp, merge_lora, merge_dtype)
         (tmp / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
         write_marker(tmp)
-        fsync_tree(tmp)
-        if folder.exists():
-            previous = folder.with_name(folder.name + ".previous")
-            shutil.rmtree(previous, ignore_errors=True)
-            os.replace(folder, previous)
-            os.replace(tmp, folder)
-            shutil.rmtree(previous)
-        else:
-            os.replace(tmp, folder)
-        fsync_dir(folder.parent)
+        replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -73,9 +64,9 @@ def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_l
             whole = backend.whole_copy(unwrapped, state_dict).float()  # ZeRO-3, XLA: a CPU copy
             merged = whole.merge_and_unload(progressbar=True)  # PEFT's bar: "Unloading and merging model", n/N
             merged = merged.to(DTYPES[merge_dtype])
-        merged.save_pretrained(folder / "merged", safe_serialization=True)
-        tokenizer.save_pretrained(folder / "merged")
-        generation.save_pretrained(folder / "merged")
+        merged.save_pretrained(folder / MERGED_DIR, safe_serialization=True)
+        tokenizer.save_pretrained(folder / MERGED_DIR)
+        generation.save_pretrained(folder / MERGED_DIR)
 
 
 def merge_quantized(unwrapped, backend, state_dict, tokenizer, merge_dtype: str):
@@ -98,7 +89,7 @@ def finish_run(config: TrainConfig, backend, model, tokenizer, tracker, step: in
         tracker.log({"replica_mismatches": mismatched}, step)
         if mismatched:
             backend.print(f"warning: {mismatched} parameter tensors differ between ranks; final/ holds rank 0's copy")
-    final = output_dir / FINAL_DIR
+    final = final_folder(output_dir)
     try:
         save_final(backend, model, tokenizer, final, config.merge_lora, checkpointer.config_yaml, config.merge_dtype)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as "I/O error: ..."
@@ -120,10 +111,10 @@ def finish_run(config: TrainConfig, backend, model, tokenizer, tracker, step: in
             backend.print(f"warning: could not write the report in {output_dir} ({reason}); {advice}; the model "
                           f"is complete in {final}", file=sys.stderr)
             report = None
-        merged = final / "merged"  # named where the next command needs it: generate, serve, export take it
+        merged = merged_folder(output_dir)  # named where the next command needs it: generate, serve, export take it
         written = f"final model: {final}" + (f"; merged model: {merged}" if merged.is_dir() else "")
         backend.print(f"{written}; loss curves: {report or 'none'}")
     backend.wait_for_everyone()
     if config.push_to_hub and config.save_name and backend.is_main_process:  # validate() requires save_name
-        push_folder(output_dir / "final", config.save_name, log=backend.print)  # a failure warns; the run succeeds
+        push_folder(final, config.save_name, log=backend.print)  # a failure warns; the run succeeds
     return summary

@@ -15,7 +15,8 @@ import yaml
 from gpt4all_training.backends.precision import native_dtype
 from gpt4all_training.config.blocks import Dtype
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.training.checkpoint import CONFIG_FILE, FINAL_DIR, checkpoint_dirs, read_run_id, saved_run_id
+from gpt4all_training.run_folder import CONFIG_FILE, final_folder, step_folders
+from gpt4all_training.training.checkpoint import read_run_id, saved_run_id
 
 CONCRETE_DTYPES = typing.get_args(Dtype)
 
@@ -50,8 +51,8 @@ def resumed_dtype(config: TrainConfig) -> str | None:
         run_id = read_run_id(config.output_dir)
         if run_id is None and "auto" not in (config.resume, config.checkpoint):
             return None
-        folders = [f for _, f in checkpoint_dirs(config.output_dir) if run_id is None or saved_run_id(f) == run_id]
-        final = Path(config.output_dir) / FINAL_DIR
+        folders = [f for _, f in step_folders(config.output_dir) if run_id is None or saved_run_id(f) == run_id]
+        final = final_folder(config.output_dir)
         folder = folders[-1] if folders else final if final.is_dir() else None
     try:
         saved = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8")) if folder else None

@@ -1,5 +1,5 @@
 """Run `gpt4all-training train ARGS`, writing one line to $PREPARATIONS_FILE (`<pid> <split rows>`) each time this
-process tokenizes records (data/sft.py's tokenize_dataset, once per split of a preparation). Works as the script of
+process tokenizes records (data/sft.py's tokenize_dataset, once per preparation). Works as the script of
 `python` and of `torchrun`; the training code itself is unchanged."""
 
 from __future__ import annotations

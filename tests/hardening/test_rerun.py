@@ -14,7 +14,8 @@ from support.launch import explain
 from support.outputs import assert_bitwise_equal_weights, exact_rows, step_dirs
 
 from gpt4all_training.cli.main import main
-from gpt4all_training.training.checkpoint import MARKER, RUN_ID_FILE, sha256, start_over
+from gpt4all_training.run_folder import RUN_ID_FILE
+from gpt4all_training.training.checkpoint import MARKER, sha256, start_over
 
 from .harness import error_lines, one_error_line, run_train
 

@@ -15,8 +15,9 @@ from resume.harness import run_train as run_with_crash
 from support.launch import explain
 from support.outputs import assert_bitwise_equal_weights, exact_rows, step_dirs
 
-from gpt4all_training.training.checkpoint import (MARKER, RUN_ID_FILE, latest_checkpoint, rotate, saved_run_id,
-                                                  sha256, verify, write_marker)
+from gpt4all_training.run_folder import RUN_ID_FILE
+from gpt4all_training.training.checkpoint import (MARKER, latest_checkpoint, rotate, saved_run_id, sha256, verify,
+                                                  write_marker)
 
 from .harness import run_train
 

@@ -207,7 +207,7 @@ def calls(tree: ast.AST, module: str, function: str) -> list[ast.Call]:
 def test_the_package_loads_only_safe_formats():
     """A guard for new code: every torch.load passes weights_only=True; no yaml.load/unsafe_load/full_load, no
     pickle.load(s); nothing hard-codes trust_remote_code=True. (DeepSpeed's own reader, called for ZeRO checkpoints,
-    is outside this package; checkpoint.check_deepspeed_files checks its files first.) The one torch.load is
+    is outside this package; files.check_tensor_files checks its files first.) The one torch.load is
     files.load_tensors."""
     problems = []
     for path in sorted((REPO / "gpt4all_training").rglob("*.py")):

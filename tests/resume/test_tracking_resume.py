@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from gpt4all_training.config.blocks import Logging
-from gpt4all_training.tracking.tracker import WANDB_ID_FILE, Tracker, read_metrics, wandb_run_id
+from gpt4all_training.run_folder import WANDB_ID_FILE
+from gpt4all_training.tracking.tracker import Tracker, read_metrics, wandb_run_id
 
 
 def test_resume_drops_rows_after_the_checkpoint_and_a_cut_line(tmp_path):
