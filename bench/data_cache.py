@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from gpt4all_training.run_folder import TOKENIZED_DIR  # noqa: E402
 
 
 def corpus(examples: int) -> Path:
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     results: dict[str, list[dict]] = {"first": [], "second": []}
     for repeat in range(args.repeats):
-        cache_dir = harness.WORK / "runs" / "data-cache" / f"repeat-{repeat}" / "tokenized"
+        cache_dir = harness.WORK / "runs" / "data-cache" / f"repeat-{repeat}" / TOKENIZED_DIR
         shutil.rmtree(cache_dir.parent, ignore_errors=True)
         for which in ("first", "second"):
             result = harness.run_worker("data_cache.py", ["--worker", str(cache_dir), "--data", str(data),

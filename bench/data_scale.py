@@ -37,6 +37,7 @@ from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from gpt4all_training.run_folder import TOKENIZED_DIR  # noqa: E402
 
 SHAPES = ("dolly", "chat")
 STAGES = ("clean", "clean-near", "tokenise", "tokenise-2", "raw", "trl")
@@ -113,7 +114,7 @@ def stage_tokenise(raw: Path, num_proc: int) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     os.environ["HF_DATASETS_CACHE"] = str(work / "datasets")
     config = load_config(None, [f"model_name={harness.smollm2()}", f"dataset_path={clean_folder(raw)}",
-                                f"output_dir={work / 'run'}", f"cache_dir={work / 'tokenized'}",
+                                f"output_dir={work / 'run'}", f"cache_dir={work / TOKENIZED_DIR}",
                                 f"max_length={MAX_LENGTH}", f"num_proc={num_proc}"])
     tokenizer = tokenizer_for(config)
     lines: list[str] = []

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demo.run import smollm2_gguf  # noqa: E402
 from demo.tasks import write_reward_prompts  # noqa: E402
+from gpt4all_training.run_folder import METRICS_FILE  # noqa: E402
 
 SETTINGS = {"num_generations": 4, "max_completion_length": 16, "temperature": 1.0, "beta": 0.0, "loss_type": "dapo"}
 PROMPTS_PER_STEP = 2
@@ -44,7 +45,7 @@ def run_ours(args, data: Path, out: Path) -> dict:
         max_steps=args.steps, num_epochs=100, val_fraction=0.0, eval_every=None, save_every=None, num_proc=1,
         dtype="float32", max_grad_norm=1.0, report_to=["jsonl"], **SETTINGS))
     train(config)
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward" in r][1:]
+    rows = [r for r in read_metrics(out / METRICS_FILE) if "reward" in r][1:]
     completions = PROMPTS_PER_STEP * SETTINGS["num_generations"]
     generated = sum(r["completions/mean_length"] * completions for r in rows)
     real = sum(r["tokens_per_s"] * (r["batch_seconds"] + r["update_seconds"]) for r in rows)
@@ -59,7 +60,7 @@ def run_trl(args, data: Path, out: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from gpt4all_training.model.loading import load_model, load_tokenizer
-    from gpt4all_training.training.objectives.rewards import builtin_reward
+    from gpt4all_training.training.objectives.grpo.rewards import builtin_reward
 
     tokenizer = load_tokenizer(args.tokenizer)
     model = load_model(str(smollm2_gguf()))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from gpt4all_training.run_folder import METRICS_FILE  # noqa: E402
 
 VARIANTS = {"bf16 LoRA": [], "4-bit nf4 LoRA": ["load_in_4bit=true"]}
 GPU_SIZES = {
@@ -74,7 +75,7 @@ def train_worker(variant: str, steps: int, output_dir: Path) -> dict:
     config.write_text("{}\n")
     if run_command(["train", "--config", str(config), *overrides]) != 0:
         raise RuntimeError(f"train {variant} failed")
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (output_dir / METRICS_FILE).read_text().splitlines()]
     rows = [row for row in rows if "loss" in row][harness.MODELS["smollm2"]["warmup"]:]
     seconds = [row["batch_seconds"] + row["update_seconds"] for row in rows]
     tokens = sum(row["tokens_per_s"] * s for row, s in zip(rows, seconds))
@@ -133,7 +134,7 @@ def gpu_ours(work: Path, size: dict) -> dict:
     (work / "ours.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     if run_command(["train", "--config", str(work / "ours.yaml")]) != 0:
         raise RuntimeError("train failed")
-    rows = [row for row in map(json.loads, (output_dir / "metrics.jsonl").read_text().splitlines())
+    rows = [row for row in map(json.loads, (output_dir / METRICS_FILE).read_text().splitlines())
             if "tokens_per_s" in row][size["warmup"]:]
     seconds = [row["batch_seconds"] + row["update_seconds"] for row in rows]
     return {"status": "ok", "tokens_per_s": sum(r["tokens_per_s"] * s for r, s in zip(rows, seconds)) / sum(seconds),

@@ -29,6 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
+sys.path.insert(0, str(harness.REPO / "tests"))  # the launch helpers the tests use
+from support.launch import free_port, not_answering  # noqa: E402
+
 WORDS = ("river", "garden", "teacher", "camel", "engine", "violin", "harbor", "tiger", "bridge", "lantern",
          "castle", "pencil", "rocket", "meadow", "falcon", "copper")
 STARTUP_TIMEOUT_S = 300
@@ -62,16 +65,9 @@ class Server:
                                         stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> "Server":
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"the server did not start in {STARTUP_TIMEOUT_S} s; see {self.log.name}")
+        if problem := not_answering(self.process, f"{self.url}/health", STARTUP_TIMEOUT_S):
+            raise RuntimeError(f"the server {problem}; see {self.log.name}")
+        return self
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()
@@ -100,14 +96,6 @@ class Server:
     def metrics(self) -> dict:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
             return json.loads(response.read())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def load(server: Server, clients: int, requests: list[str], max_tokens: int) -> dict:

@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from step_profile import StepProfile, shares_table  # noqa: E402
+from gpt4all_training.run_folder import final_folder  # noqa: E402
 
 REQUIRED = ["gpt4all", "ours", "ours-packed", "trl", "trl-packed"]
 EXTRA = ["ours-packed-rows", "ours-packed-peft-lora", "trl-nogc", "ours-grouped", "ours-packed-compile", "ours-packed-gc", "trl-packed-gc", "plain"]
@@ -165,7 +166,7 @@ def run_ours(variant: str, kind: str, steps: int, out: Path, profile: StepProfil
         sft_objective.batch_fetcher = lambda packing, max_length, one_row=False: gpt4all_fetch
     overrides = harness.ours_overrides(kind, harness.model_dir(kind), harness.clean_data(), out, steps)
     loop.train(load_config(None, overrides + OURS_EXTRA[variant]))
-    return summarize(steps_log, cpu_ends, started[0], harness.peak_memory_mb(), out / "final", kind)
+    return summarize(steps_log, cpu_ends, started[0], harness.peak_memory_mb(), final_folder(out), kind)
 
 
 def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile,
@@ -234,11 +235,11 @@ def run_trl(variant: str, kind: str, steps: int, out: Path, profile: StepProfile
     torch.manual_seed(harness.SEED)
     trainer.train()
     peak = harness.peak_memory_mb()
-    trainer.save_model(str(out / "final"))
+    trainer.save_model(str(final_folder(out)))
     per_step = [tuple(sum(c[k] for c in counts[i:i + m["accumulation"]]) for k in range(4))
                 for i in range(0, len(counts), m["accumulation"])]  # micro-batches in order, `accumulation` a step
     steps_log = [(t, *c) for t, c in zip(ends, per_step)]
-    return summarize(steps_log, cpu_ends, started[0], peak, out / "final", kind)
+    return summarize(steps_log, cpu_ends, started[0], peak, final_folder(out), kind)
 
 
 def dense_rows(kind: str, steps: int):
@@ -316,9 +317,9 @@ def run_plain(kind: str, steps: int, out: Path, profile: StepProfile) -> dict[st
         steps_log.append((time.perf_counter(), *per_step))
         profile.step_ended(len(steps_log))
     peak = harness.peak_memory_mb()
-    model.save_pretrained(str(out / "final"))
-    load_tokenizer(str(path)).save_pretrained(str(out / "final"))
-    return summarize(steps_log, cpu_ends, started, peak, out / "final", kind)
+    model.save_pretrained(str(final_folder(out)))
+    load_tokenizer(str(path)).save_pretrained(str(final_folder(out)))
+    return summarize(steps_log, cpu_ends, started, peak, final_folder(out), kind)
 
 
 def summarize(steps_log, cpu_ends: list[float], started: float, peak: tuple[float, str], final_dir: Path,

@@ -139,7 +139,7 @@ def main() -> None:
     from gpt4all_training.data.clean import clean
     from gpt4all_training.export.hf import export
     from gpt4all_training.model.decoding import Sampling
-    from gpt4all_training.model.loading import load_model, load_tokenizer
+    from gpt4all_training.model.loading import gguf_parsed_once, load_model, load_tokenizer
     from gpt4all_training.training.loop import train
 
     started = time.perf_counter()
@@ -177,10 +177,11 @@ def main() -> None:
 
     step(f"3. the base model: {gguf.name}")
     # transformers reads a GGUF (its metadata, its 49k-token vocabulary, the dequantized tensors) in Python, which
-    # takes the better part of a minute on these CPUs: read it once, and let every later stage load the saved copy.
+    # takes tens of seconds on these CPUs: read it once, and let every later stage load the saved copy.
     base = out / "base"
-    tokenizer = load_tokenizer(str(gguf))
-    load_model(str(gguf)).save_pretrained(base)
+    with gguf_parsed_once():  # the tokenizer and the weights from one parse of the file's header
+        tokenizer = load_tokenizer(str(gguf))
+        load_model(str(gguf)).save_pretrained(base)
     tokenizer.save_pretrained(base)
     stages = Stages(tasks)
     stages.add("base", measured(base, tokenizer, tasks)[0])

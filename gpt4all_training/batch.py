@@ -14,9 +14,10 @@ Keys:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # only named in annotations: `clean` reads this module's IGNORE without loading torch
+    import torch
 
 IGNORE = -100  # the label of a position that is not trained (torch's cross_entropy ignore_index)
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q")

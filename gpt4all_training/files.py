@@ -4,7 +4,7 @@ later that it is whole, checks an output location before the work, and loads ten
 - `atomic_file(path)` / `atomic_write(path, content)`: written to a temporary name in the same folder, fsynced,
   then renamed over `path` (a rename within one filesystem is atomic), so a crash or a full disk leaves either the
   previous file or the new one. The temporary file takes the mode the umask gives any new file, and is removed on
-  failure.
+  failure. `new_file(path)`: the same for a file that must not replace one, linked to its name instead of renamed.
 - `fsync_file`, `fsync_dir`, `fsync_tree`: flushed to the disk, the folder entries included (a rename is only
   durable once its folder is synced).
 - `sha256_file`: the one content hash.
@@ -19,7 +19,8 @@ later that it is whole, checks an output location before the work, and loads ten
   `make_own_folder` / `remove_own_folder`: a working folder at a fixed place, which carries a file saying this
   program made it, and is deleted only when it does. A tool deletes only what it made in this run, or what carries
   its mark.
-- `writable_folder` / `writable_file`: an output location checked before the work that fills it.
+- `writable_folder` / `writable_file`: an output location checked before the work that fills it, leaving no trace;
+  `created_folder`: a run's output_dir made and checked before the run loads its data and model.
 - `save_tensors` / `load_tensors`: torch.save whose failure is an OSError, and `torch.load(weights_only=True)` with a
   refused pickle as one line; `check_tensor_files` for a library's own files; `safetensors_problem`.
 
@@ -38,7 +39,7 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Union
+from typing import IO, Any, Iterable, Iterator, Union
 
 from gpt4all_training.errors import UserError
 
@@ -123,6 +124,22 @@ def atomic_write(path: str | Path, content: Content) -> Path:
                 for piece in content:
                     out.write(piece)
     return Path(path)
+
+
+@contextlib.contextmanager
+def new_file(path: Path, prefix: str = ".", suffix: str = ".tmp") -> Iterator[IO[bytes]]:
+    """A temporary file beside `path` (`PREFIX + NAME + .RANDOM + SUFFIX`), open for binary reading and writing; on
+    leaving the block it is fsynced and linked to `path`, which unlike a rename never replaces a file:
+    FileExistsError when `path` was taken meanwhile. It stays open until linked (a lock the caller takes on it is
+    held throughout), and is removed whatever happens."""
+    handle = tempfile.NamedTemporaryFile(prefix=f"{prefix}{path.name}.", suffix=suffix, dir=path.parent)
+    with handle as out:  # deletes the temporary name on leaving, linked or not
+        os.chmod(out.name, 0o666 & ~umask())
+        yield out
+        out.flush()
+        os.fsync(out.fileno())
+        os.link(out.name, path)
+    fsync_dir(path.parent)
 
 
 # ---------------------------------------------------------------- folders and their markers
@@ -273,6 +290,22 @@ def writable_folder(flag: str, path: str | Path, *, new: bool = False) -> Path:
     if new and path.is_dir() and any(path.iterdir()):
         raise UserError(f"{flag} {path}: already exists and is not empty; choose a new folder")
     location_problem(flag, path, path.parent if new else path)
+    return path
+
+
+def created_folder(key: str, path: Path) -> Path:
+    """Create the folder `path` (a run's output_dir) and prove a file can be written in it: a read-only one would
+    otherwise fail only at the first log line or checkpoint, after the data and model are loaded. A UserError naming
+    `key`."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{key} {path}: is a file, not a folder; choose another {key}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        problem = can_create_in(path)
+    except OSError as exc:
+        problem = exc.strerror or type(exc).__name__
+    if problem is not None:
+        raise UserError(f"{key} {path}: not writable ({problem}); fix its permissions or choose another {key}")
     return path
 
 

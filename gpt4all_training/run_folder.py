@@ -1,5 +1,5 @@
 """The run folder: what a training run writes into its output_dir, by name, and the paths to each. The one place these
-names are spelled (tests/test_imports.py checks it); every package that writes or reads a run folder asks here.
+names are spelled (tests/test_owners.py checks it); every package that writes or reads a run folder asks here.
 
     output_dir/
       step_N/                 the checkpoint after optimiser step N (training/checkpoint.py says what it holds):

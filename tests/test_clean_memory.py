@@ -1,7 +1,8 @@
 """clean.py streams: past what one record and the output buffers take, its memory grows by a digest per kept record
 (the exact duplicates' set), not by the records. Each run is a fresh process that writes N or 4N records of about
 1,000 characters each (every other one a duplicate of the one before it, dropped and written to --rejects), then
-cleans them with its Python allocations traced (tracemalloc counts every object, whatever the allocator keeps)."""
+cleans them with its Python allocations traced (tracemalloc counts every object, whatever the allocator keeps),
+without loading torch."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ with open(f"{folder}/raw.jsonl", "w", encoding="utf-8") as out:
                               "category": "open_qa"}) + "\\n")
 tracemalloc.start()
 report = clean([f"{folder}/raw.jsonl"], f"{folder}/clean", rejects=f"{folder}/rejects.jsonl")
-print(json.dumps({"peak": tracemalloc.get_traced_memory()[1], "total": report["total"]}))
+print(json.dumps({"peak": tracemalloc.get_traced_memory()[1], "total": report["total"],
+                  "torch": "torch" in sys.modules}))
 """
 
 
@@ -44,6 +46,7 @@ def test_clean_memory_does_not_grow_with_the_records(tmp_path):
     small, large = traced_clean(RECORDS, tmp_path / "small"), traced_clean(4 * RECORDS, tmp_path / "large")
     for run, count in ((small, RECORDS), (large, 4 * RECORDS)):
         assert run["total"] == {"lines": count, "read": count, "kept": count // 2, "dropped:duplicate": count // 2}
+        assert run["torch"] is False  # cleaning text has no use for torch's few hundred MB
     assert len((tmp_path / "large" / "rejects.jsonl").read_text().splitlines()) == 2 * RECORDS
     assert len((tmp_path / "large" / "clean" / "raw_clean.jsonl").read_text().splitlines()) == 2 * RECORDS
     grown = large["peak"] - small["peak"]

@@ -221,6 +221,6 @@ def test_script_prints_one_line_without_traceback(tmp_path, script, text, overri
      "format is named twice, so their metrics (rewards/format/mean) would mix; keep one"),
 ])
 def test_a_reward_entry_is_refused_naming_the_entry_and_what_is_wrong(entries, message):
-    from gpt4all_training.config.blocks import reward_problem
+    from gpt4all_training.config.rewards import reward_problem
 
     assert reward_problem(entries, 16) == message

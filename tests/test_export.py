@@ -8,6 +8,7 @@ llama.cpp reads; every HF export by `from_pretrained(dir)`. The models are a tin
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from support.launch import free_port
 from support.models import CHAT_TEMPLATE, build_tiny_llama
 from support.paths import PYTHON, REPO
 from gpt4all_training.errors import UserError
+from gpt4all_training.export.formats import FORMATS, ExportFormat, ExportRequest, Written, described
 from gpt4all_training.export.hf import export, training_method
 from gpt4all_training.training.checkpoint import write_marker
 
@@ -466,10 +468,10 @@ def test_two_exports_to_one_target_leave_the_first_finished_whole(tiny_llama_dir
     out = tmp_path / "out"
     write_hf = hf.write_hf
 
-    def another_export_finishes_first(source, folder, dtype, max_shard_size):
+    def another_export_finishes_first(source, folder, request):
         monkeypatch.setattr(hf, "write_hf", write_hf)
         export(str(tiny_llama_dir), str(out), "hf", "bf16")
-        write_hf(source, folder, dtype, max_shard_size)
+        return write_hf(source, folder, request)
 
     monkeypatch.setattr(hf, "write_hf", another_export_finishes_first)
     with pytest.raises(UserError) as refused:
@@ -594,3 +596,78 @@ def test_a_zero_checkpoint_holding_code_is_refused_before_deepspeed_reads_it(zer
     assert str(error.value) == (f"checkpoint file {optim}: holds objects other than tensors, and loading them could "
                                 f"run code; refused. Use only checkpoints this program wrote")
     assert not (tmp_path / "marker").exists() and not (tmp_path / "out").exists()
+
+# ---------------------------------------------------------------- the table of formats (export/formats.py)
+
+FORMAT_TABLE_HEADER = "| `--format` | what it writes | `--dtype` | default |"
+
+
+def documented_formats(text: str) -> dict[str, tuple[str, tuple[str, ...], str]]:
+    """{format: (what it writes, weight types, default)} as docs/export.md's table of formats lists them."""
+    lines = text.splitlines()
+    rows = itertools.takewhile(lambda line: line.startswith("|"), lines[lines.index(FORMAT_TABLE_HEADER) + 2:])
+    documented = {}
+    for row in rows:
+        name, what, dtypes, default = (cell.strip() for cell in row.strip().strip("|").split("|"))
+        documented[name.strip("`")] = (what, tuple(dtype.strip(" `") for dtype in dtypes.split(",")),
+                                       default.strip("`"))
+    return documented
+
+
+def format_table_problems(text: str) -> list[str]:
+    documented = documented_formats(text)
+    table = {spec.name: (spec.help, spec.dtypes, spec.default_dtype) for spec in FORMATS.values()}
+    return [f"--format {name}: docs/export.md lists {documented.get(name)}, export/formats.py has {table.get(name)}"
+            for name in sorted(documented.keys() | table.keys()) if documented.get(name) != table.get(name)]
+
+
+def test_the_docs_list_exactly_the_export_formats():
+    assert format_table_problems((REPO / "docs" / "export.md").read_text(encoding="utf-8")) == []
+
+
+def test_a_format_missing_from_the_docs_or_one_they_invent_or_change_is_named():
+    text = (REPO / "docs" / "export.md").read_text(encoding="utf-8")
+    gguf_row = next(line for line in text.splitlines() if line.startswith("| `gguf` |"))
+    planted = text.replace(gguf_row, "| `onnx` | a graph | `f32` | `f32` |").replace(
+        "| `f32`, `f16`, `bf16` | `bf16` |", "| `f32`, `bf16` | `bf16` |")
+    assert format_table_problems(planted) == [
+        "--format gguf: docs/export.md lists None, export/formats.py has ('one file for llama.cpp and GPT4All', "
+        "('f32', 'f16', 'bf16', 'q8_0', 'q4_0', 'q4_k_m', 'q5_k_m', 'q6_k'), 'q8_0')",
+        "--format hf: docs/export.md lists ('safetensors folder for transformers', ('f32', 'bf16'), 'bf16'), "
+        "export/formats.py has ('safetensors folder for transformers', ('f32', 'f16', 'bf16'), 'bf16')",
+        "--format onnx: docs/export.md lists ('a graph', ('f32',), 'f32'), export/formats.py has None",
+    ]
+
+
+def test_each_format_names_a_writer_and_weight_types_its_module_knows():
+    from gpt4all_training.export import gguf, hf
+
+    assert set(FORMATS["hf"].dtypes) == set(hf.DTYPES)
+    assert set(FORMATS["gguf"].dtypes) == set(gguf.TYPES)
+    assert [spec.write() for spec in FORMATS.values()] == [hf.write_hf, gguf.write_export]
+    assert all(spec.default_dtype in spec.dtypes for spec in FORMATS.values())
+    assert [entry["name"] for entry in described()] == ["hf", "gguf"]
+
+
+def write_text_export(source, folder: Path, request: ExportRequest) -> Written:
+    """A format planted by the test below: the tokenizer's vocabulary size, as text."""
+    (folder / f"{request.name}.txt").write_text(f"{len(source.tokenizer)} {request.dtype}\n", encoding="utf-8")
+    return Written(["Planted by the test."])
+
+
+def test_a_new_format_is_one_table_entry_and_its_writer(chat_tokenizer, tiny_llama_dir, tmp_path, monkeypatch,
+                                                        capsys):
+    from gpt4all_training.cli.main import main
+
+    monkeypatch.setitem(FORMATS, "text", ExportFormat("text", "the vocabulary size", ("f32",), "f32",
+                                                      f"{__name__}:write_text_export", None, "text"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--from", str(tiny_llama_dir), "--to", str(tmp_path / "vocab"), "--format", "text"])
+    assert exit_info.value.code == 0
+    assert sorted(path.name for path in (tmp_path / "vocab").iterdir()) == ["README.md", "vocab.txt"]
+    assert (tmp_path / "vocab" / "vocab.txt").read_text() == f"{len(chat_tokenizer)} f32\n"
+    card = (tmp_path / "vocab" / "README.md").read_text()
+    assert card.endswith("Planted by the test.\n") and "| Export | text f32 |" in card and "- text\n" in card
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"exported {tiny_llama_dir} as text in ")
+    with pytest.raises(UserError, match=r"^--dtype bf16: --format text takes one of f32$"):
+        export(str(tiny_llama_dir), str(tmp_path / "other"), "text", "bf16")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gpt4all_training.errors import UserError
-from gpt4all_training.files import (atomic_write, load_tensors, make_own_folder, marker_problem, move, new_folder,
-                                    remove_own_folder, replace_folder, save_tensors, sha256_file, writable_file,
-                                    writable_folder, write_marker)
+from gpt4all_training.files import (atomic_write, load_tensors, make_own_folder, marker_problem, move, new_file,
+                                    new_folder, remove_own_folder, replace_folder, save_tensors, sha256_file,
+                                    writable_file, writable_folder, write_marker)
 
 
 def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path):
@@ -33,6 +33,20 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path):
     assert path.read_text() == "a\nb\n"
     atomic_write(path, b"\x00\x01")
     assert path.read_bytes() == b"\x00\x01"
+
+
+def test_a_new_file_never_replaces_one_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "upload.jsonl"
+    with new_file(path, suffix=".partial") as out:
+        out.write(b"first\n")
+        assert [p.name for p in tmp_path.iterdir()] == [Path(out.name).name]
+        assert Path(out.name).name.startswith(".upload.jsonl.") and out.name.endswith(".partial")
+    assert path.read_bytes() == b"first\n"
+    with pytest.raises(FileExistsError), new_file(path) as out:
+        out.write(b"second\n")
+    with pytest.raises(ValueError), new_file(tmp_path / "other.jsonl") as out:
+        raise ValueError("a refused upload")
+    assert path.read_bytes() == b"first\n" and [p.name for p in tmp_path.iterdir()] == ["upload.jsonl"]
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])

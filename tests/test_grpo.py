@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +29,15 @@ from gpt4all_training.cli.main import main
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.config.blocks import validate
 from gpt4all_training.config.loader import load_config
+from gpt4all_training.config.rewards import REWARD_KINDS
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError, UserError
 from gpt4all_training.files import marker_problem
 from gpt4all_training.training.loop import prepare, train
 from gpt4all_training.training.loss import token_logps
 from gpt4all_training.training.objectives import objective_for
-from gpt4all_training.training.objectives.grpo import group_advantages, kv_cache_bytes
-from gpt4all_training.training.objectives.rewards import Reward, builtin_reward, load_user_reward, score
+from gpt4all_training.training.objectives.grpo.rollout import group_advantages, kv_cache_bytes
+from gpt4all_training.training.objectives.grpo.rewards import Reward, builtin_reward, load_user_reward, score
 from gpt4all_training.training.step import train_step
 
 # Prompts of one length in tokens (TRL left-pads prompts without position ids, so unequal ones would be other
@@ -180,6 +182,25 @@ def test_group_advantages_by_hand():
     assert group_advantages(rewards, 4, "none")[0][:4].tolist() == [0.5, -0.5, -0.5, 0.5]
     batch, _ = group_advantages(rewards, 4, "batch", rewards.std())
     assert batch[:4].tolist() == pytest.approx([0.5 / (rewards.std().item() + 1e-4) * s for s in (1, -1, -1, 1)])
+
+
+REWARDS_TABLE = "| `name` | keys | what it scores |"
+
+
+def reward_kinds_listed(page: str) -> dict[str, list[str]]:
+    """{name: its keys} of the rows of a page's table of rewards built in."""
+    table = page.split(REWARDS_TABLE, 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", table, re.MULTILINE)
+    return {name: re.findall(r"`(\w+)`", keys) for name, keys in rows}
+
+
+def test_docs_list_exactly_the_reward_kinds_of_the_table_with_their_keys():
+    kinds = {name: list(kind.keys) for name, kind in REWARD_KINDS.items()}
+    assert reward_kinds_listed((REPO / "docs" / "preference.md").read_text(encoding="utf-8")) == kinds
+    # A page missing a kind, or a key of one, is caught.
+    planted = (f"{REWARDS_TABLE}\n|---|---|---|\n| `exact_match` | `field` | 1 when equal |\n"
+               f"| `format` | `pattern` (required) | 1 when it matches |\n")
+    assert reward_kinds_listed(planted) == {"exact_match": ["field"], "format": ["pattern"]} != kinds
 
 
 def test_built_in_rewards():

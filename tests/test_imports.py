@@ -1,12 +1,15 @@
 """The package's import rules, read from the source by an AST walk (nothing is imported):
 
 - no cycle among the package's modules, counting imports inside functions too;
-- nothing imports upward against the pipeline's layers (LAYERS below), and nothing imports the CLI; export reads
-  what training wrote through run_folder.py and files.py, never by importing training;
+- nothing imports upward against the pipeline's layers (LAYERS below), and nothing but the studio imports the CLI;
+  export reads what training wrote through run_folder.py and files.py, never by importing training;
 - our own modules are imported at module top, never inside a function (third-party packages may be imported
   lazily; the CLI's subcommand table names its modules as strings for importlib, which is not an import statement);
 - the objective is chosen once: no `.objective` attribute outside config/ and training/objectives/ (everything else
   asks the object `objective_for(config)` returns);
+- the components below training take the fields they read, never a config: no module of data/, model/ or backends/
+  imports config/schemas.py (the configs); it declares what it reads as a protocol, or takes a block of
+  config/blocks.py, which a config is made of;
 - only backends/ knows which backend runs: elsewhere no accelerate DistributedType, no device compared with "xla",
   no DeepSpeed `ds_*` parameter attribute; the code asks the backend what it supports instead.
 
@@ -25,15 +28,15 @@ import pytest
 from support.paths import REPO
 
 PACKAGE = "gpt4all_training"
-# Which layers each layer may import, besides its own modules. cli may import everything; no layer lists cli.
+# Which layers each layer may import, besides its own modules. cli may import everything; only the studio lists cli.
 FOUNDATIONS = {"config", "batch", "errors", "files", "run_folder", "readers", "paths", "progress", "library_warnings",
                "intervals"}
 COMPONENTS = {"data", "model", "backends", "tracking"}
 STAGES = {"preflight", "analysis", "generation", "export", "evaluation", "serving"}
 LAYERS: dict[str, set[str]] = {
     "cli": {"studio", "training", *STAGES, *COMPONENTS, *FOUNDATIONS},
-    # The web app: a window over the stages and training, as the CLI is.
-    "studio": {"training", *STAGES, *COMPONENTS, *FOUNDATIONS},
+    # The web app: a window over the stages and training that runs the CLI's own commands (their `execute`).
+    "studio": {"cli", "training", *STAGES, *COMPONENTS, *FOUNDATIONS},
     **{stage: {"training", *COMPONENTS, *FOUNDATIONS} for stage in STAGES},
     "export": {*COMPONENTS, *FOUNDATIONS},
     "training": {*COMPONENTS, *FOUNDATIONS},
@@ -139,7 +142,7 @@ def upward_imports(root: Path, package: str) -> list[str]:
         source, target = layer_of(edge.importer), layer_of(edge.target)
         if source == target or target == "" or target in LAYERS.get(source, set()):
             continue
-        reason = "nothing imports cli" if target == "cli" else f"{source or package} may not import {target}"
+        reason = "only the studio imports cli" if target == "cli" else f"{source or package} may not import {target}"
         problems.append(f"{edge.where(root)} ({reason})")
     return problems
 
@@ -233,6 +236,18 @@ def objective_reads(root: Path, package: str) -> list[str]:
     return problems
 
 
+# The packages that take blocks of fields, and the module of the configs that they may not import.
+CONFIG_FREE = ("data", "model", "backends")
+SCHEMAS = f"{PACKAGE}.config.schemas"
+
+
+def config_imports(root: Path, package: str) -> list[str]:
+    """Every import of config/schemas.py (type-checking imports too) by a module of CONFIG_FREE."""
+    return [f"{edge.where(root)} ({layer_of(edge.importer)}/ takes the blocks it reads, not a config: declare them as "
+            f"a protocol or import the block from config/blocks.py)" for edge in import_edges(root, package)
+            if layer_of(edge.importer) in CONFIG_FREE and edge.target == SCHEMAS]
+
+
 class BackendSniffing(ast.NodeVisitor):
     """Where one file asks which backend runs: accelerate's DistributedType (or an Accelerator's distributed_type),
     a device type compared with "xla", DeepSpeed's ds_* attributes of a parameter (read directly or by name)."""
@@ -313,6 +328,10 @@ def test_only_backends_know_which_backend_runs():
     fail_on(backend_sniffing(REPO, PACKAGE))
 
 
+def test_data_model_and_backends_never_import_a_config():
+    fail_on(config_imports(REPO, PACKAGE))
+
+
 # ---------------------------------------------------------------- the checker on planted violations
 
 def write_package(root: Path, files: dict[str, str]) -> Path:
@@ -378,7 +397,7 @@ def test_planted_upward_and_sideways_imports_and_an_import_of_the_cli_are_named(
         "gpt4all_training/export/hf.py:1 imports gpt4all_training.preflight.plan (export may not import preflight)",
         "gpt4all_training/export/hf.py:2 imports gpt4all_training.training.checkpoint (export may not import "
         "training)",
-        "gpt4all_training/training/loop.py:3 imports gpt4all_training.cli.main (nothing imports cli)",
+        "gpt4all_training/training/loop.py:3 imports gpt4all_training.cli.main (only the studio imports cli)",
     ]
     assert lazy_imports(root, PACKAGE) == []
 
@@ -431,3 +450,30 @@ def test_planted_backend_sniffing_is_named_and_backends_may_do_it(tmp_path):
         f"{where}:8 uses DeepSpeed's .ds_numel {because}",
         f"{where}:9 uses DeepSpeed's .ds_tensor {because}",
     ]
+
+
+def test_planted_config_imports_below_training_are_named(tmp_path):
+    """A loader, a model builder and a backend that each name the training config (one under TYPE_CHECKING, one by
+    `from ... import schemas`); a block import beside them, and training's own import of the config, are allowed."""
+    configs = {"gpt4all_training/config/blocks.py": "class Examples: ...\n",
+               "gpt4all_training/config/schemas.py": "from gpt4all_training.config.blocks import Examples\n"}
+    root = write_package(tmp_path, {
+        **configs,
+        "gpt4all_training/data/sft.py": """\
+            from gpt4all_training.config.blocks import Examples
+            from gpt4all_training.config.schemas import TrainConfig
+            """,
+        "gpt4all_training/model/build.py": """\
+            from typing import TYPE_CHECKING
+            if TYPE_CHECKING:
+                from gpt4all_training.config.schemas import TrainConfig
+            """,
+        "gpt4all_training/backends/accelerate.py": "from gpt4all_training.config import schemas\n",
+        "gpt4all_training/training/loop.py": "from gpt4all_training.config.schemas import TrainConfig\n",
+    })
+    assert config_imports(root, PACKAGE) == [
+        f"gpt4all_training/{where} imports gpt4all_training.config.schemas ({layer}/ takes the blocks it reads, not a "
+        f"config: declare them as a protocol or import the block from config/blocks.py)"
+        for where, layer in (("backends/accelerate.py:1", "backends"), ("data/sft.py:2", "data"),
+                             ("model/build.py:3", "model"))]
+    assert config_imports(write_package(tmp_path / "clean", configs), PACKAGE) == []

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as PeftLoraLinear
 from support.models import build_tiny_llama
 
-from gpt4all_training.model.lora import FusedLoraLinear, apply_lora
+from gpt4all_training.model.lora import FusedLoraLinear, apply_lora, gated_mlp_forward
 
 
 def adapted_pair(tokenizer, dropout: float, seed: int = 0):
@@ -60,6 +60,38 @@ def test_fused_lora_matches_peft_in_fp32(tokenizer, dropout):
     for name, grad in their_grads.items():
         assert (our_grads[name] - grad).abs().max().item() <= 1e-5 * grad.abs().max().item(), name
     assert (our_input_grad - their_input_grad).abs().max().item() <= 1e-5 * their_input_grad.abs().max().item()
+
+
+def test_the_gated_mlp_keeps_gate_and_up_and_recomputes_the_product(tokenizer):
+    """Every block's MLP runs through the fused gated node (the parity tests above cover its gradients): its backward
+    keeps gate and up, not also silu(gate) and the product that autograd keeps, while giving the same output."""
+    ours, _ = adapted_pair(tokenizer, dropout=0.0)
+    mlps = [layer.mlp for layer in ours.base_model.model.model.layers]
+    assert len(mlps) == 2 and all(mlp.forward.__func__ is gated_mlp_forward for mlp in mlps)
+    mlp = mlps[0]
+    rows, width = 24, mlp.up_proj.base_layer.out_features
+    x = torch.randn(1, rows, mlp.down_proj.base_layer.out_features, generator=torch.Generator().manual_seed(6),
+                    requires_grad=True)
+
+    def saved_bytes(forward):
+        saved: dict[int, int] = {}
+
+        def keep(tensor):
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            out = forward(x)
+        return out, sum(saved.values())
+
+    fused_out, fused_bytes = saved_bytes(mlp)
+    own_out, own_bytes = saved_bytes(type(mlp).forward.__get__(mlp))
+    assert torch.equal(fused_out, own_out)
+    assert own_bytes - fused_bytes == 2 * rows * width * 4  # silu(gate) and the product, fp32
+    # Merged and unloaded, the down projection is a plain nn.Linear again: the class's own forward runs.
+    merged = ours.merge_and_unload()
+    with torch.no_grad():
+        assert torch.allclose(merged.model.layers[0].mlp(x), fused_out, atol=1e-5)
 
 
 def test_fused_lora_under_bf16_autocast_is_as_close_to_fp32_as_peft(tokenizer):

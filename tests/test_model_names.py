@@ -15,7 +15,7 @@ from support.models import SMOLLM2_GGUF, build_tiny_llama, smollm2_folder
 from gpt4all_training.cli.main import main
 from gpt4all_training.errors import UserError
 from gpt4all_training.model import names
-from gpt4all_training.model.loading import load_model, load_tokenizer, model_source
+from gpt4all_training.model.loading import gguf_parsed_once, load_model, load_tokenizer, model_source
 from gpt4all_training.model.trained import content_sha256, describe
 
 
@@ -157,3 +157,35 @@ def test_export_takes_a_packaged_model_by_its_short_name_and_its_card_names_it_s
     export(str(tmp_path / "adapter"), str(tmp_path / "merged"), "hf", "f32")
     card = (tmp_path / "merged" / "README.md").read_text()
     assert "| Base model | tiny |" in card and str(packaged_tiny) not in card
+
+
+@pytest.mark.integration
+def test_a_gguf_loads_from_one_parse_of_its_header_into_the_weights_transformers_gives(packaged_tiny, monkeypatch):
+    """transformers parses the header for the config, the tokenizer and the weights, and builds gguf's tensor-name
+    table once per module; `gguf_parsed_once` makes each happen once, and the weights stay transformers' own."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    expected = AutoModelForCausalLM.from_pretrained(str(packaged_tiny.parent), gguf_file=packaged_tiny.name,
+                                                    dtype=torch.float32).state_dict()
+    parsed, name_tables = [], []
+    reader, name_table = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counted_reader(*args, **kwargs):
+        parsed.append(args[0])
+        return reader(*args, **kwargs)
+
+    def counted_name_table(*args):
+        name_tables.append(args)
+        return name_table(*args)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted_name_table)
+    with gguf_parsed_once():
+        load_tokenizer("tiny")
+        loaded = load_model("tiny").state_dict()
+    assert [str(p) for p in parsed] == [str(packaged_tiny)]
+    assert len(name_tables) == 1
+    assert gguf.GGUFReader is counted_reader and gguf.get_tensor_name_map is counted_name_table  # put back
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[key], expected[key]) for key in expected)

@@ -6,12 +6,15 @@ timed apart from the update."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import time
 import typing
 
 import pytest
 import torch
 from support.files import write_config, write_jsonl
+from support.paths import REPO
 
 import gpt4all_training.training.loop as loop
 from gpt4all_training.cli import data as data_command
@@ -36,6 +39,27 @@ def test_every_objective_the_config_offers_is_registered_with_both_faces():
         objective = objective_for(TrainConfig(objective=name))
         assert objective.name == name
         assert isinstance(objective, TrainingObjective) and isinstance(objective, ObjectiveChecks)
+
+
+def test_every_key_the_objectives_table_names_is_a_config_key():
+    """A misspelt key in config/objectives.py's table would otherwise go unchecked until a config set it."""
+    keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    for spec in OBJECTIVES.values():
+        assert set(spec.keys) | set(spec.refuses) <= keys, spec.name
+        assert set(spec.defaults) <= set(spec.keys), spec.name
+
+
+def objectives_listed(page: str) -> list[str]:
+    """The objectives the `objective` row of a page's table of keys names, in order."""
+    row = next(line for line in page.splitlines() if line.startswith("| `objective: "))
+    return re.findall(r"`(\w+)` \(", row.split("|")[2])
+
+
+def test_docs_training_lists_exactly_the_objectives_of_the_table():
+    assert objectives_listed((REPO / "docs" / "training.md").read_text(encoding="utf-8")) == list(OBJECTIVES)
+    # A page that leaves one out (the row as it read before grpo was listed) is caught.
+    planted = "| `objective: sft` | `sft` (prompts), `causal_lm` (raw text), `dpo` ([pairs](preference.md)) |"
+    assert objectives_listed(planted) == ["sft", "causal_lm", "dpo"] != list(OBJECTIVES)
 
 
 @pytest.mark.parametrize("name", ["causal_lm", "dpo"])

@@ -2,7 +2,7 @@
 
 - the run folder's names (`step_N/`, `final/`, `config.yaml`, `metrics.jsonl`, `run_id`, ...) are spelled in
   run_folder.py alone, and the completion marker's (`COMPLETE`) in files.py: no string literal elsewhere in the
-  package is one of them, and no f-string or pattern builds a `step_N` or `set-aside-K` name. Docstrings and
+  package or in bench/ (whose scripts read the runs they start) is one of them, and no f-string or pattern builds a `step_N` or `set-aside-K` name. Docstrings and
   mapping keys (a JSON field named `run_id`, a response's `final`) are prose and data, not names on disk;
 - files are renamed into place by files.py alone, which fsyncs what it renames: no `os.replace`, `os.rename`,
   `Path.replace`, `Path.rename` or `shutil.move` elsewhere in the package.
@@ -19,6 +19,8 @@ from pathlib import Path
 from support.paths import REPO
 from test_imports import PACKAGE, fail_on, write_package
 
+# Besides the package, where run folders are read: the benchmarks.
+BENCH = "bench"
 # Names the run folder shares with ordinary words of the package (a JSON field "model", the tracker "wandb"):
 # spelled elsewhere for other things, so the rule cannot tell; run_folder.py still owns them as folder names.
 ORDINARY_WORDS = {"model", "rng", "objective", "eval", "tensorboard", "wandb", ".tmp"}
@@ -38,10 +40,10 @@ def module_constants(path: Path, only: tuple[str, ...] | None = None) -> set[str
 
 
 def owned_names(root: Path, package: str) -> dict[str, set[str]]:
-    """{owner file: the names only it may spell}."""
+    """{owner file, from the root: the names only it may spell}."""
     folder = root / package
-    return {"run_folder.py": module_constants(folder / "run_folder.py") - ORDINARY_WORDS,
-            "files.py": module_constants(folder / "files.py", ("MARKER",))}
+    return {f"{package}/run_folder.py": module_constants(folder / "run_folder.py") - ORDINARY_WORDS,
+            f"{package}/files.py": module_constants(folder / "files.py", ("MARKER",))}
 
 
 def not_names(tree: ast.AST) -> set[int]:
@@ -86,15 +88,14 @@ def spelled_names(path: Path, names: set[str], numbered: bool) -> list[tuple[int
 
 
 def run_folder_names(root: Path, package: str) -> list[str]:
-    """Every run-folder name spelled outside its owner, by file and line."""
+    """Every run-folder name spelled outside its owner, in the package and the benchmarks, by file and line."""
     owners = owned_names(root, package)
     problems = []
-    for path in sorted((root / package).rglob("*.py")):
-        relative = path.relative_to(root / package).as_posix()
+    for path in sorted(path for folder in (BENCH, package) for path in (root / folder).rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
         names = set().union(*(owned for owner, owned in owners.items() if owner != relative))
-        problems += [f"{path.relative_to(root).as_posix()}:{line} {what} (a run-folder name: ask run_folder.py, "
-                     f"or files.py for the marker)"
-                     for line, what in sorted(spelled_names(path, names, relative != "run_folder.py"))]
+        problems += [f"{relative}:{line} {what} (a run-folder name: ask run_folder.py, or files.py for the marker)"
+                     for line, what in sorted(spelled_names(path, names, relative != f"{package}/run_folder.py"))]
     return problems
 
 
@@ -143,6 +144,11 @@ def test_files_are_renamed_by_files_py_alone():
 
 # ---------------------------------------------------------------- the checkers on planted violations
 
+def named(where: str, because: str, findings: list[str]) -> list[str]:
+    """What a checker reports for each of `findings` ("line what") in the file `where`."""
+    return [f"{where}:{finding} {because}" for finding in findings]
+
+
 OWNERS = {
     "gpt4all_training/run_folder.py": """\
         STEP_PREFIX = "step_"
@@ -162,7 +168,10 @@ OWNERS = {
 
 
 def test_planted_run_folder_names_are_named_and_prose_and_keys_are_not(tmp_path):
-    root = write_package(tmp_path, {**OWNERS, "gpt4all_training/studio/runs.py": '''\
+    root = write_package(tmp_path, {**OWNERS, "bench/train_throughput.py": """\
+        def outputs(out, step):
+            return out / "final", out / f"step_{step}", {"final": out}
+        """, "gpt4all_training/studio/runs.py": '''\
         """Reads final/ and step_N/ folders."""
         import re
 
@@ -174,14 +183,16 @@ def test_planted_run_folder_names_are_named_and_prose_and_keys_are_not(tmp_path)
             return {"final": done, "run": state.get("final"), "step": folder / f"step_{step}",
                     "help": f"give a step_N folder, not {folder}", "model": folder / "model"}
         '''})
-    where = "gpt4all_training/studio/runs.py"
     because = "(a run-folder name: ask run_folder.py, or files.py for the marker)"
-    assert run_folder_names(root, PACKAGE) == [
-        f"{where}:4 spells the pattern '^step_(\\\\d+)$' {because}",
-        f"{where}:8 spells 'COMPLETE' {because}",
-        f"{where}:8 spells 'final' {because}",
-        f"{where}:9 builds a name from 'step_' {because}",
-    ]
+    assert run_folder_names(root, PACKAGE) == named("bench/train_throughput.py", because, [
+        "2 builds a name from 'step_'",
+        "2 spells 'final'",
+    ]) + named("gpt4all_training/studio/runs.py", because, [
+        "4 spells the pattern '^step_(\\\\d+)$'",
+        "8 spells 'COMPLETE'",
+        "8 spells 'final'",
+        "9 builds a name from 'step_'",
+    ])
 
 
 def test_planted_renames_are_named_and_str_replace_is_not(tmp_path):
@@ -198,12 +209,11 @@ def test_planted_renames_are_named_and_str_replace_is_not(tmp_path):
             move_into_place(tmp, folder)
             return text.replace("a", "b"), config.rename(columns={"a": "b"})
         """})
-    where = "gpt4all_training/training/final.py"
-    because = "(write through files.py: it fsyncs the file and its folder)"
-    assert renames_outside_files(root, PACKAGE) == [
-        f"{where}:6 renames with os.replace() {because}",
-        f"{where}:7 renames with .rename() {because}",
-        f"{where}:8 renames with .replace() {because}",
-        f"{where}:9 renames with shutil.move() {because}",
-        f"{where}:10 renames with move_into_place() {because}",
-    ]
+    assert renames_outside_files(root, PACKAGE) == named(
+        "gpt4all_training/training/final.py", "(write through files.py: it fsyncs the file and its folder)", [
+            "6 renames with os.replace()",
+            "7 renames with .rename()",
+            "8 renames with .replace()",
+            "9 renames with shutil.move()",
+            "10 renames with move_into_place()",
+        ])

@@ -9,6 +9,7 @@ The whole path in a real browser, with real runs, is tests/test_studio_e2e.py.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -21,8 +22,11 @@ import subprocess
 import sys
 import threading
 import time
+from html.parser import HTMLParser
 from pathlib import Path
+from typing import Optional
 
+import pydantic
 import pytest
 import torch
 from support.files import write_jsonl
@@ -30,12 +34,13 @@ from support.paths import REPO
 from support.studio import CONVERSATIONS, DROPPED, make_workdir, sharegpt_rows, smollm2_stand_in
 
 from gpt4all_training.cli.config_options import DOC_INDENT, config_keys_help
-from gpt4all_training.cli.main import main
+from gpt4all_training.cli.main import COMMANDS, command_parser, main, options_of
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.run_folder import EXIT_FILE, LOG_FILE, RECORD_FILE
-from gpt4all_training.studio.app import StudioSettings, create_app, unsent
+from gpt4all_training.studio.app import StudioSettings, create_app
+from gpt4all_training.studio.pages import FORMS, NOT_ON_A_PAGE, Form, unsent
 from gpt4all_training.studio import actions
 from gpt4all_training.studio.configs import ACCELERATE_DIR, EVAL_SUITE_DIR, PRESETS_DIR
 from gpt4all_training.studio.runs import Launch, RunConflict, Runs, commands, overlapping, run_info
@@ -651,3 +656,103 @@ def test_a_chat_with_a_model_that_is_not_there_gets_the_loaders_line(client):
                                                                                         "content": "hi"}]})
     assert response.status_code == 400 and response.json()["error"].startswith("error: ")
     assert "runs/none/final" in response.json()["error"] and str(Path.cwd()) not in response.json()["error"]
+
+
+# ---------------------------------------------------------------- every CLI option on the page
+
+
+class PageForms(HTMLParser):
+    """{form id: {input name: the values its select offers, None for any other input}} of a page's HTML."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.forms: dict[str, dict[str, Optional[list[str]]]] = {}
+        self.form: Optional[dict[str, Optional[list[str]]]] = None
+        self.select: Optional[list[str]] = None
+        self.option: Optional[list[str]] = None  # an option's text, when it has no value
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        if tag == "form":
+            self.form = self.forms.setdefault(attributes.get("id") or "", {})
+        elif tag in ("input", "select", "textarea") and self.form is not None and attributes.get("name"):
+            self.select = [] if tag == "select" else None
+            self.form[attributes["name"]] = self.select
+        elif tag == "option" and self.select is not None:
+            if attributes.get("value") is None:
+                self.option = []
+            else:
+                self.select.append(attributes["value"])
+
+    def handle_data(self, data):
+        if self.option is not None:
+            self.option.append(data)
+
+    def handle_endtag(self, tag):
+        if tag == "option" and self.option is not None and self.select is not None:
+            self.select.append("".join(self.option).strip())
+            self.option = None
+        elif tag == "select":
+            self.select = None
+        elif tag == "form":
+            self.form = None
+
+
+def options_off_the_page(html: str, parsers: dict[str, argparse.ArgumentParser], forms: dict[str, Form],
+                         not_on_a_page: dict[str, str]) -> list[str]:
+    """Every CLI option a page cannot give: each subcommand runs from a form or is listed as on no page, and each of
+    its options is set by the studio or is both a field of the form's request body and an input of the page's form
+    named by its dest, a choice offering exactly the CLI's choices (the empty value standing for its default)."""
+    problems = [f"{name}: on no page; give it a form (studio/pages.py FORMS) or say why in NOT_ON_A_PAGE"
+                for name in parsers if (name in forms) == (name in not_on_a_page)]
+    page = PageForms(html).forms
+    for name, form in forms.items():
+        options = {action.dest: action for action in options_of(parsers[name])}
+        problems += [f"{name}: sets {dest} itself, which is no option of it" for dest in form.set_by_studio
+                     if dest not in options]
+        for dest, action in options.items():
+            flag = action.option_strings[0] if action.option_strings else dest
+            if dest in form.set_by_studio:
+                continue
+            if dest not in form.body.model_fields:
+                problems.append(f"{name} {flag}: not a field of {form.body.__name__}")
+            inputs = page.get(form.form, {})
+            if dest not in inputs:
+                problems.append(f"{name} {flag}: no input named {dest} in the page's form #{form.form}")
+            elif action.choices is not None and inputs[dest] is not None:
+                offered = {action.default if value == "" else value for value in inputs[dest]} - {None}
+                if offered != set(action.choices):
+                    problems.append(f"{name} {flag}: #{form.form} offers {sorted(offered)}, the CLI "
+                                    f"{sorted(action.choices)}")
+    return problems
+
+
+def test_every_option_of_every_cli_command_is_on_a_page():
+    parsers = {name: command_parser(name) for name in COMMANDS}
+    html = (REPO / "gpt4all_training" / "studio" / "static" / "index.html").read_text(encoding="utf-8")
+    assert options_off_the_page(html, parsers, FORMS, NOT_ON_A_PAGE) == []
+
+
+def test_a_planted_option_off_the_page_is_named():
+    parser = argparse.ArgumentParser(prog="clean")
+    parser.add_argument("inputs", nargs="+")
+    parser.add_argument("--prompts", action="store_true")
+    parser.add_argument("--oasst", choices=("paths", "best"), default="paths")
+    parser.add_argument("--rejects")
+    parser.add_argument("--seed", type=int)
+    body = pydantic.create_model("PlantedBody", inputs=(list[str], ...), oasst=(str, "paths"), rejects=(str, None),
+                                 seed=(int, None))
+    html = """<form id="clean-form"><select name="inputs" multiple></select><input name="rejects">
+              <select name="oasst"><option value="">paths (default)</option><option>best</option>
+              <option>pairs</option></select></form><input name="seed">"""
+    forms = {"clean": Form("clean-form", body, {"output_dir": "planted"})}
+    parsers = {"clean": parser, "tokenizer": parser, "serve": parser}
+    assert options_off_the_page(html, parsers, forms, {"serve": "a server"}) == [
+        "tokenizer: on no page; give it a form (studio/pages.py FORMS) or say why in NOT_ON_A_PAGE",
+        "clean: sets output_dir itself, which is no option of it",
+        "clean --prompts: not a field of PlantedBody",
+        "clean --prompts: no input named prompts in the page's form #clean-form",
+        "clean --oasst: #clean-form offers ['best', 'pairs', 'paths'], the CLI ['best', 'paths']",
+        "clean --seed: no input named seed in the page's form #clean-form",
+    ]

@@ -58,13 +58,12 @@ from gpt4all_training.data.records import load_records
 from gpt4all_training.data.sft import (effective_num_proc, finish_split, refuse_unrendered, split_records,
                                        tokenize_dataset)
 from gpt4all_training.errors import UserError
-from gpt4all_training.files import atomic_file, atomic_write, make_own_folder, remove_own_folder
+from gpt4all_training.files import atomic_file, atomic_write, created_folder, make_own_folder, remove_own_folder
 from gpt4all_training.model.chat_templates import apply_chat_template_option
 from gpt4all_training.model.decoding import eos_token_ids
 from gpt4all_training.model.loading import check_positions, load_model, load_tokenizer, model_config, tokenizer_for
 from gpt4all_training.model.trained import training_run_config
 from gpt4all_training.paths import require_dataset
-from gpt4all_training.training.loop import require_writable
 from gpt4all_training.training.loss import nll_sum
 
 SPLITS = ("train", "val")
@@ -489,7 +488,7 @@ def run_inference(config: InferenceConfig) -> Optional[Path]:
         torch.manual_seed(config.seed)
         check_training_split(config)
         output_dir = Path(config.output_dir)
-        require_writable(output_dir)
+        created_folder("output_dir", output_dir)
         require_dataset(config.dataset_path)
         tokenizer = tokenizer_for(config)
         check_positions(model_config(config.model_name, config.model_revision, config.gguf_file,

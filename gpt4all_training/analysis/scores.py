@@ -12,7 +12,7 @@ them. Every score is a column of inference.parquet that the map can colour by an
 - `base_loss`, `loss_change`: the same tokens' loss under the model that was fine-tuned, and loss - base_loss.
 - `model_answer`, `agreement`: the model's greedy answer to the record's prompt (every token before the last trained
   run of tokens, i.e. the conversation up to its last trained assistant turn), decoded by model/decoding.py, and a
-  checker's score of it against the record (a grpo reward's signature: training/objectives/rewards.py).
+  checker's score of it against the record (a grpo reward's signature: training/objectives/grpo/rewards.py).
 - `verified`: a verifier's score of the record's own response, called as a checker is but with that response as the
   completion: no model involved. Where the right answer can be computed from the prompt (a solver, a unit test, a
   reference field), it finds wrong labels however weak the model is.
@@ -30,8 +30,8 @@ from gpt4all_training.analysis.map.layout import embedding_features
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.decoding import Sequence, decode_all
-from gpt4all_training.training.objectives.rewards import (Reward, builtin_reward, check_user_reward, load_user_reward,
-                                                          score)
+from gpt4all_training.training.objectives.grpo.rewards import (Reward, builtin_reward, check_user_reward,
+                                                               load_user_reward, score)
 
 OUTLIER_NEIGHBORS = 20  # scikit-learn's default; fewer for smaller runs
 Row = dict[str, list[int]]

@@ -10,11 +10,10 @@ from typing import Any
 
 import torch
 
-from gpt4all_training.backends.backend import Backend
+from gpt4all_training.backends.backend import Backend, LaunchSettings
 from gpt4all_training.backends.deepspeed import DeepSpeedBackend, deepspeed_config_source, fill_deepspeed_config
 from gpt4all_training.backends.fsdp import FsdpBackend, fsdp_requested, fsdp_settings
 from gpt4all_training.backends.xla import XlaBackend
-from gpt4all_training.config.schemas import TrainConfig
 
 MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -30,7 +29,7 @@ def deepspeed_requested() -> bool:
     return parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
 
 
-def build_accelerator(config: TrainConfig | None = None):
+def build_accelerator(config: LaunchSettings | None = None):
     """The Accelerator of a training run (precision, accumulation, collective timeout and the DeepSpeed config from
     `config`), or with `config` None of a run that only calls the model forward (inference): the model's own
     precision, accelerate's timeout, no DeepSpeed config to fill."""
@@ -91,7 +90,7 @@ def backend_for(accelerator) -> Backend:
     return Backend(accelerator)
 
 
-def build_backend(config: TrainConfig | None = None) -> Backend:
+def build_backend(config: LaunchSettings | None = None) -> Backend:
     """The run's backend: build_accelerator(config), then the Backend that fits it. FSDP2 is chosen by the launch,
     not the Accelerator, which enables FSDP only with CUDA."""
     if config is not None and fsdp_requested():

@@ -13,11 +13,34 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal, Optional, Protocol
 
 import torch
 
 from gpt4all_training.config.secrets import scrub
+
+
+class LaunchSettings(Protocol):
+    """What building the backend reads of the training config: the compute dtype, the batches that DeepSpeed's
+    config repeats (batches), its gradient clipping (optimizer) and the collective timeout (faults)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    batch_size: int
+    gradient_accumulation_steps: int
+    max_grad_norm: Optional[float]
+    ddp_timeout_s: Optional[int]
+
+
+class ProcessRanks(Protocol):
+    """Where this process stands among the run's: what the training roles' protocols of the backend start from."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def is_main_process(self) -> bool: ...
 
 
 def to_cpu(value: Any) -> Any:

@@ -17,8 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
-from gpt4all_training.backends.backend import Backend, rebuilt_copy
-from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.backends.backend import Backend, LaunchSettings, rebuilt_copy
 from gpt4all_training.errors import UserError
 
 AUTO = "auto"
@@ -33,7 +32,7 @@ def deepspeed_config_source() -> str:
     return path if path != "none" else "the DeepSpeed settings of accelerate launch"
 
 
-def deepspeed_values(config: TrainConfig, world_size: int) -> dict[str, Any]:
+def deepspeed_values(config: LaunchSettings, world_size: int) -> dict[str, Any]:
     """What the training config decides in a DeepSpeed config, by dotted key."""
     return {
         "train_micro_batch_size_per_gpu": config.batch_size,
@@ -53,7 +52,7 @@ def _node(tree: dict[str, Any], dotted: str) -> tuple[dict[str, Any], str]:
     return tree, leaf
 
 
-def fill_deepspeed_config(ds_config: dict[str, Any], config: TrainConfig, world_size: int,
+def fill_deepspeed_config(ds_config: dict[str, Any], config: LaunchSettings, world_size: int,
                           source: str) -> dict[str, Any]:
     """Fill the "auto" (or missing) values of `ds_config` in place from the training config; refuse contradictions."""
     reasons = {"optimizer": "the optimizer is AdamW built from lr, weight_decay and the parameter groups",

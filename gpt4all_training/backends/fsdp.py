@@ -28,8 +28,7 @@ from typing import Any, Iterator, cast
 
 import torch
 
-from gpt4all_training.backends.backend import Backend, rebuilt_copy
-from gpt4all_training.config.blocks import ModelSource
+from gpt4all_training.backends.backend import Backend, LaunchSettings, rebuilt_copy
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import load_tensors, save_tensors
 
@@ -52,7 +51,7 @@ class FsdpSettings:
     activation_checkpointing: bool
 
 
-def fsdp_settings(config: ModelSource) -> FsdpSettings:
+def fsdp_settings(config: LaunchSettings) -> FsdpSettings:
     """The FSDP settings of this launch; a setting this backend cannot honour is a one-line UserError."""
     from accelerate.utils import parse_flag_from_env
 

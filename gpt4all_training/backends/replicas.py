@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class ComparingBackend(Protocol):
+    """What comparing the replicas asks the run's backend (backends/backend.py)."""
+    partitions_parameters: bool
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def unwrap(self, model): ...
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
@@ -18,7 +35,7 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def replica_mismatches(backend, model) -> int | None:
+def replica_mismatches(backend: ComparingBackend, model) -> int | None:
     """How many parameter tensors differ, bit for bit, from rank 0's copy; None where ranks hold no whole copy of
     the model (a single process, or ZeRO-3). DDP and ZeRO-1/2 keep one copy per rank and rely on identical updates
     to keep them equal; only a checksum per tensor crosses the network. A collective: every rank calls it."""

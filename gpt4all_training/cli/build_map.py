@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
-from gpt4all_training.analysis.map.build import build_map
+from gpt4all_training.analysis.map.build import MapResult, build_map
 from gpt4all_training.analysis.map.layout import LAYOUTS
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import writable_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,32 +31,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "map.clusters.csv for map.html)")
 
 
-def require_writable_file(flag: str, path: Path) -> None:
-    """Create the folder of an output file and prove a file can be written there, before the minutes of layout."""
-    if path.is_dir():
-        raise UserError(f"{flag} {path}: is a folder; give a file path, e.g. {path / 'map.html'}")
-    existing = next(folder for folder in path.absolute().parents if folder.exists())
-    if not existing.is_dir():
-        raise UserError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as exc:
-        raise UserError(f"{flag} {path}: cannot write there ({exc.strerror or type(exc).__name__}); choose another "
-                        f"path") from None
-
-
-def run(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> MapResult:
     if args.clusters is not None and args.clusters < 1:
         raise UserError(f"--clusters: must be at least 1, got {args.clusters}")
     if args.text_chars < 10:
         raise UserError(f"--text-chars: must be at least 10, got {args.text_chars}")
     for flag, path in (("--output", args.output), ("--png", args.png), ("--clusters-csv", args.clusters_csv)):
         if path:
-            require_writable_file(flag, Path(path))
-    result = build_map(args.input, args.output, args.compare, args.clusters, args.layout, args.seed,
-                       args.text_chars, args.png, args.clusters_csv, args.color)
+            writable_file(flag, path, example="map.html")  # before the minutes of layout
+    return build_map(args.input, args.output, args.compare, args.clusters, args.layout, args.seed,
+                     args.text_chars, args.png, args.clusters_csv, args.color)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = execute(args)
     hardest = result.clusters[0]
     print(f"{result.n_points} points, {len(result.clusters)} clusters; highest mean loss: cluster "
           f"{hardest['cluster']} ({hardest['label']}) {hardest['mean_loss']}")

@@ -48,13 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the rewards read (answer, tests, ...)")
 
 
-def run(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> dict[str, Any]:
+    """The report of cleaning the inputs (kept and dropped by reason, per file and in total)."""
     writable_folder("--output-dir", args.output_dir)  # before any input is read
     if args.rejects:
         writable_file("--rejects", args.rejects, example="rejects.jsonl")
     filters = Filters(args.drop_ai_disclaimers, args.drop_refusals, args.min_response_chars)
-    report = clean(args.inputs, args.output_dir, filters, args.oasst, args.oasst_preferences, args.prompts,
-                   args.rejects, args.near_duplicates)
+    return clean(args.inputs, args.output_dir, filters, args.oasst, args.oasst_preferences, args.prompts,
+                 args.rejects, args.near_duplicates)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = execute(args)
     print_report(report)
     print(f"report: {Path(args.output_dir) / 'clean_report.json'}")
     if args.rejects:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from gpt4all_training.analysis.curation.curate import REPORT_FILE, CurateOptions, curate
 from gpt4all_training.analysis.curation.embeddings import EMBEDDERS
@@ -53,11 +53,16 @@ def shown_share(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def run(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> dict[str, Any]:
+    """curate's report: read, kept and dropped by reason, the rules' thresholds, and the dataset file written."""
     writable_folder("--output", args.output)  # before the embeddings and the rules
     options = CurateOptions(args.near_duplicates, args.embedder, args.loss_above, args.loss_below, args.include_ids,
                             args.exclude_ids, args.name, args.seed, args.drop, args.label_column, args.label_ids)
-    report = curate(args.input, args.output, options)
+    return curate(args.input, args.output, options)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = execute(args)
     reasons = ", ".join(f"{k} {v}" for k, v in report["dropped"].items()) or "none"
     print(f"read {report['read']}, kept {report['kept']}, dropped {report['dropped_total']} ({reasons})")
     for name, rule in report["rules"].items():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from gpt4all_training.cli.config_options import add_config_arguments
 from gpt4all_training.config.loader import load_config
@@ -24,7 +26,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "input_ids, labels")
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass
+class Tokenized:
+    tokenizer: Any
+    train: Any  # the splits as load_data returns them
+    val: Any
+    train_stats: Any
+    val_stats: Any
+    dumped: Optional[int]  # examples written to --dump
+
+
+def execute(args: argparse.Namespace) -> Tokenized:
+    """The config's dataset tokenized as training reads it, both splits and their statistics; every example
+    written to --dump when given."""
     config = load_config(args.config, args.overrides)
     if args.dump:
         writable_file("--dump", args.dump, example="examples.jsonl")  # before the tokenization
@@ -35,12 +49,23 @@ def run(args: argparse.Namespace) -> int:
     require_dataset(config.dataset_path)  # before the tokenizer, which may take a while to load
     tokenizer = tokenizer_for(config)
     (train, val), (train_stats, val_stats) = load_data(config, tokenizer)
+    dumped = dump_examples({"train": train, "val": val}, args.dump) if args.dump else None
+    return Tokenized(tokenizer, train, val, train_stats, val_stats, dumped)
+
+
+def shown_rows(tokenized: Tokenized, show: int) -> Any:
+    """The first `show` training examples, the ones `--show` prints."""
+    return tokenized.train.select(range(min(show, len(tokenized.train))))
+
+
+def run(args: argparse.Namespace) -> int:
+    tokenized = execute(args)
     start, end = TRAINED_MARKS
-    for row in train.select(range(min(args.show, len(train)))):
+    for row in shown_rows(tokenized, args.show):
         print(f"--- example {row['index']} ({row['n_trained']} trained tokens, between {start} and {end})")
-        print(show_example(row, tokenizer, colour=sys.stdout.isatty()))
-    print(train_stats.describe("train"))
-    print(val_stats.describe("validation"))
+        print(show_example(row, tokenized.tokenizer, colour=sys.stdout.isatty()))
+    print(tokenized.train_stats.describe("train"))
+    print(tokenized.val_stats.describe("validation"))
     if args.dump:
-        print(f"{args.dump}: {dump_examples({'train': train, 'val': val}, args.dump)} examples")
+        print(f"{args.dump}: {tokenized.dumped} examples")
     return 0

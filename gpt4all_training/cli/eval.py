@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any, Optional
 
 from gpt4all_training.errors import UserError, write_failure
 from gpt4all_training.evaluation.harness import EvalSettings, evaluate
@@ -22,7 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a folder of task YAML files (repeatable)")
     parser.add_argument("--limit", type=int, help="score only the first N examples of each task")
     parser.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples; unset: each task's own")
-    parser.add_argument("--output", metavar="DIR", help="write DIR/results.json")
     parser.add_argument("--batch-size", type=int, default=1, help="requests per forward pass (default 1)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when there is one")
@@ -31,12 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "defaults (0, 1234, 1234, 1234)")
     parser.add_argument("--apply-chat-template", action="store_true",
                         help="render each request with the tokenizer's chat template (few-shot as turns)")
+    parser.add_argument("--output", metavar="DIR", help="write DIR/results.json")
     parser.add_argument("--compare", metavar="RESULTS_JSON",
                         help="an earlier results.json: print its scores beside these, with the difference paired "
                              "on the examples both scored, its 95%% interval and a verdict")
 
 
-def run(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """The model's scores, and those of --compare's results.json (None without it)."""
     for key, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             raise UserError(f"{key}: must be at least 1, got {value}")
@@ -49,16 +52,25 @@ def run(args: argparse.Namespace) -> int:
                             include_paths=tuple(args.include_path), limit=args.limit, num_fewshot=args.num_fewshot,
                             batch_size=args.batch_size, dtype=args.dtype, device=args.device, seed=args.seed,
                             apply_chat_template=args.apply_chat_template)
-    results = evaluate(args.model, settings)
+    return evaluate(args.model, settings), before
+
+
+def write(args: argparse.Namespace, results: dict[str, Any]) -> Path:
+    """--output's results.json; a full disk is one line (no half file is left)."""
+    try:
+        return write_results(results, args.output)
+    except OSError as exc:
+        reason, advice = write_failure(exc, "--output")
+        raise UserError(f"--output {args.output}: could not write {RESULTS_FILE} ({reason}); the scores are "
+                        f"printed above. {advice.capitalize()}, then run again") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    results, before = execute(args)
     print(results_table(results))
     print(f"\n95% intervals (Wilson for a share of examples, else bootstrap):\n{interval_table(results)}")
     if args.output:
-        try:
-            print(f"results: {write_results(results, args.output)}")
-        except OSError as exc:  # a full disk: the scores are printed above; no half file is left
-            reason, advice = write_failure(exc, "--output")
-            raise UserError(f"--output {args.output}: could not write {RESULTS_FILE} ({reason}); the scores are "
-                            f"printed above. {advice.capitalize()}, then run again") from None
+        print(f"results: {write(args, results)}")
     if before is not None:
         print(f"\ncompared with {args.compare}:")
         print(comparison_table(before, results))

@@ -6,7 +6,8 @@ import argparse
 import re
 import time
 
-from gpt4all_training.export.hf import export_with_agreement
+from gpt4all_training.export.formats import FORMATS, all_dtypes, dtype_help, format_help
+from gpt4all_training.export.hf import Exported, export_with_agreement
 
 
 def shard_size(text: str) -> str:
@@ -19,10 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="source", required=True,
                         help="a step_N/ checkpoint, final/, an adapter folder, a model folder or a .gguf file")
     parser.add_argument("--to", required=True, help="output folder (created; must not hold files)")
-    parser.add_argument("--format", choices=("hf", "gguf"), required=True,
-                        help="hf: safetensors folder for transformers; gguf: one file for llama.cpp and GPT4All")
-    parser.add_argument("--dtype", choices=("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"),
-                        help="weight type; default bf16 for hf, q8_0 for gguf (the quantized types are gguf only)")
+    parser.add_argument("--format", choices=tuple(FORMATS), required=True, help=format_help())
+    parser.add_argument("--dtype", choices=all_dtypes(), help=dtype_help())
     parser.add_argument("--base", help="base model for an adapter, overriding adapter_config.json (folder, Hub id "
                                        "or .gguf file)")
     parser.add_argument("--max-shard-size", type=shard_size, default="2GB",
@@ -40,9 +39,13 @@ def readable_size(size: float) -> str:
     return f"{size:.1f} {unit}"
 
 
+def execute(args: argparse.Namespace) -> Exported:
+    return export_with_agreement(args.source, args.to, args.format, args.dtype, args.base, args.max_shard_size)
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    exported = export_with_agreement(args.source, args.to, args.format, args.dtype, args.base, args.max_shard_size)
+    exported = execute(args)
     for path in exported.files:
         print(f"{path}  {readable_size(path.stat().st_size)}")
     summary = f"exported {args.source} as {args.format} in {time.perf_counter() - started:.1f} s"

@@ -17,10 +17,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, InferenceConfig, "inference config YAML (configs/inference/*.yaml)")
 
 
-def run(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> None:
     config = load_config(args.config, args.overrides, cls=InferenceConfig)
     written = set(read_yaml(args.config) if args.config else {}) | set(parse_overrides(args.overrides))
     run_inference(with_training_split(config, written))
+
+
+def run(args: argparse.Namespace) -> int:
+    execute(args)
     return 0
 
 

@@ -1,5 +1,9 @@
 """The `gpt4all-training` command: one subcommand per stage. Argument parsing only; the work is in the modules.
 
+Each subcommand's options are its module's `add_arguments(parser)`, the one list of them: the studio builds the
+command lines its pages show from the same parsers (`command_line`), parses them as the CLI does, and calls the same
+`execute(args)` the subcommand's `run(args)` prints the result of.
+
 A `UserError` anywhere below becomes one line on stderr and exit code 2, a `TrainingError` one line and exit
 code 1; neither prints a traceback. Everything printed passes `config.secrets.scrub` (credentials show as ***). A
 command whose models and data are all local runs offline (cli/offline.py).
@@ -11,6 +15,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import Any
 
 from gpt4all_training.cli.offline import announce, go_offline_if_local
 from gpt4all_training.config.secrets import scrubbed_output
@@ -18,7 +23,8 @@ from gpt4all_training.errors import TrainingError, UserError, file_system_refusa
 from gpt4all_training.library_warnings import hide_unactionable_warnings
 from gpt4all_training.training.stop import StoppedAtOnce
 
-# subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int.
+# subcommand -> (module, one-line help). Each module provides add_arguments(parser) and run(args) -> int; those the
+# studio runs also execute(args), the work without the printing.
 COMMANDS = {
     "clean": ("gpt4all_training.cli.clean", "normalise raw JSONL into prompt/response records and conversations"),
     "data": ("gpt4all_training.cli.data", "tokenise a dataset and show examples and statistics"),
@@ -47,6 +53,63 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         if name == selected:
             importlib.import_module(module).add_arguments(sub_parser)
     return parser
+
+
+class CommandParser(argparse.ArgumentParser):
+    """One subcommand's parser whose mistakes raise a UserError instead of exiting the process (argparse's documented
+    way to change that): for a caller that is not the command line, the studio."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message}")
+
+
+def command_parser(name: str) -> CommandParser:
+    module, help_text = COMMANDS[name]
+    parser = CommandParser(prog=f"gpt4all-training {name}", description=help_text)
+    importlib.import_module(module).add_arguments(parser)
+    return parser
+
+
+def options_of(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """A parser's positionals and options, in its order, without --help."""
+    return [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
+
+
+def arguments_of(parser: argparse.ArgumentParser, values: dict[str, Any]) -> list[str]:
+    """The arguments after the subcommand that give `values` ({dest: value}), in the parser's order, as a user would
+    type them: a value that is None, False, empty or the option's default is left out. A value outside an option's
+    choices is a UserError naming its dest."""
+    unknown = set(values) - {action.dest for action in options_of(parser)}
+    if unknown:
+        raise ValueError(f"{parser.prog}: no option {', '.join(sorted(unknown))}")
+    argv: list[str] = []
+    for action in options_of(parser):
+        value = values.get(action.dest)
+        if value is None or value is False or value == [] or action.option_strings and value == action.default:
+            continue
+        given = value if isinstance(value, list) else [value]
+        allowed = list(action.choices or ())
+        for item in given if allowed else ():
+            if item not in allowed:
+                said = " or ".join(allowed) if len(allowed) == 2 else f"one of {', '.join(allowed)}"
+                raise UserError(f"{action.dest}: must be {said}, got {item!r}")
+        if not action.option_strings:
+            argv += [str(item) for item in given]
+        elif action.nargs == 0:  # a flag: store_true
+            argv.append(action.option_strings[0])
+        elif isinstance(action, argparse._AppendAction):
+            argv += [part for item in given for part in (action.option_strings[0], str(item))]
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def command_line(name: str, values: dict[str, Any]) -> tuple[list[str], argparse.Namespace]:
+    """The command line `gpt4all-training NAME ...` that gives `values` ({dest: value}), and its arguments as the
+    subcommand parses them: what its `execute(args)` takes."""
+    parser = command_parser(name)
+    argv = arguments_of(parser, values)
+    return [name, *argv], parser.parse_args(argv)
 
 
 def report_error(exc: Exception) -> None:

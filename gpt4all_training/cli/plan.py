@@ -7,7 +7,7 @@ import argparse
 from gpt4all_training.cli.config_options import add_config_arguments
 from gpt4all_training.config.loader import load_config
 from gpt4all_training.config.schemas import TrainConfig
-from gpt4all_training.preflight.plan import make_plan
+from gpt4all_training.preflight.plan import ConfigOnlyPlan, Plan, make_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "without reading the tokenizer or the data (no steps, tokens or time)")
 
 
-def run(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> Plan | ConfigOnlyPlan:
     config = load_config(args.config, args.overrides)
-    print(make_plan(config, args.gpus, args.tokens_per_second, args.gpu_memory, args.config_only).describe())
+    return make_plan(config, args.gpus, args.tokens_per_second, args.gpu_memory, args.config_only)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(execute(args).describe())
     return 0

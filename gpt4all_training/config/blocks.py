@@ -14,26 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import typing
 from dataclasses import dataclass
-from typing import Annotated, Literal, NamedTuple, Optional, TypeVar
+from typing import Annotated, Literal, Optional, TypeVar
 
-from gpt4all_training.config.fields import LocalPath, PathName, doc, shown, typed
+from gpt4all_training.config.fields import Check, LocalPath, PathName, doc, quoted_choices, shown, typed
+from gpt4all_training.config.objectives import OBJECTIVES, LossType, ObjectiveName, loss_types_allowed, objective_doc
+from gpt4all_training.config.rewards import builtin_rewards_doc, reward_problem
 from gpt4all_training.errors import UserError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 PromptTemplate = Literal["auto", "plain", "chat"]
 MAX_SEED = 2**32 - 1
 TrackerName = Literal["wandb", "tensorboard", "jsonl"]
-
-
-class Check(NamedTuple):
-    """`key` is wrong unless `ok`; the error line is `{key}: {message}, got {value}` (without the value: got=False)."""
-    key: str
-    ok: bool
-    message: str
-    got: bool = True
+# The tokenizer's end-of-text token: the first special token by default.
+EOS = "<|endoftext|>"
+# Held-out records for the tokenizer statistics are every HELDOUT_STRIDE-th record, so they spread over the stream.
+HELDOUT_STRIDE = 10
 
 
 @dataclass
@@ -235,12 +232,7 @@ class Quantization(Block):
 @dataclass
 class Objective(Block):
     """objective: what the loss trains, and where the starting weights come from."""
-    objective: Literal["sft", "causal_lm", "dpo", "grpo"] = doc(
-        "'sft': prompt/response data, loss on the response. 'causal_lm': raw text joined with EOS into rows of "
-        "max_length, loss on every token (pretraining, as CodeParrot). 'dpo': prompt/chosen/rejected pairs, "
-        "preference tuning (see the preference keys). 'grpo': prompts, completions sampled from the model being "
-        "trained and scored by rewards (see the reinforcement learning keys).", "sft",
-        allowed="'sft', 'causal_lm', 'dpo' or 'grpo'")
+    objective: ObjectiveName = doc(objective_doc(), "sft", allowed=quoted_choices(tuple(OBJECTIVES)))
     init: Literal["pretrained", "from_config"] = doc(
         "'pretrained': load model_name's weights. 'from_config' (causal_lm only): random weights from "
         "model_config, vocabulary sized to the tokenizer.", "pretrained", allowed="'pretrained' or 'from_config'")
@@ -260,12 +252,6 @@ class Objective(Block):
         ]
 
 
-# What `beta` and `loss_type` are when unset, per objective that reads them (TRL's defaults: DPOConfig's and
-# GRPOConfig's); TrainConfig fills them in when it is built, so config.yaml records the values a run used.
-OBJECTIVE_DEFAULTS = {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}, "grpo": {"beta": 0.0, "loss_type": "dapo"}}
-LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "simpo"), "grpo": ("grpo", "dr_grpo", "dapo")}
-
-
 @dataclass
 class Preference(Block):
     """preference tuning (objective dpo; beta and loss_type also grpo's): the loss, and the reference it is measured
@@ -275,14 +261,14 @@ class Preference(Block):
         "log-probability ratio; sigmoid and ipo: 0.1 to 0.5 is usual, simpo's paper uses 2.0 to 2.5; unset: 0.1. "
         "grpo: the weight of the KL term to the reference; unset: 0, which runs no reference at all "
         "(DeepSeek-R1 used 0.001).")
-    loss_type: Optional[Literal["sigmoid", "ipo", "simpo", "grpo", "dr_grpo", "dapo"]] = doc(
+    loss_type: Optional[LossType] = doc(
         "dpo: 'sigmoid' (DPO, Rafailov et al. 2023; the default), 'ipo' (IPO, the squared loss on per-token "
         "log-ratios, Azar et al. 2023, as TRL) or 'simpo' (SimPO, reference-free, on per-token log-probabilities "
         "with a target margin simpo_gamma, Meng et al. 2024). grpo, how the per-token losses are averaged (as TRL): "
         "'dapo' (the default: over every completion token of the optimizer step), 'grpo' (over each completion's "
         "tokens, then over completions: short answers weigh more per token) or 'dr_grpo' (the sum over "
         "max_completion_length x completions, Dr. GRPO).",
-        allowed="for dpo 'sigmoid', 'ipo' or 'simpo'; for grpo 'dapo', 'grpo' or 'dr_grpo'")
+        allowed=loss_types_allowed())
     label_smoothing: float = doc("sigmoid, simpo: the share of pairs assumed to be labelled the wrong way round "
                                  "(conservative DPO); 0: off.", 0.0)
     simpo_gamma: float = doc("simpo: the target reward margin between the chosen and the rejected answer.", 0.5)
@@ -306,89 +292,14 @@ class Preference(Block):
                 Check("sft_weight", self.sft_weight >= 0, "must be >= 0 (0: off)")]
 
 
-# The rewards built in, each with the keys it takes besides `weight` (see training/objectives/rewards.py), and the
-# keys of a user's own function.
-BUILTIN_REWARDS = {"exact_match": ("field", "pattern"), "numeric_match": ("field", "pattern", "tolerance"),
-                   "format": ("pattern",), "length_penalty": ("cache",)}
-USER_REWARD_KEYS = ("module", "function")
-
-
-def function_entry_problem(entry: dict, builtins: tuple[str, ...], kind: str, extra_keys: tuple[str, ...] = ()
-                           ) -> Optional[str]:
-    """What is wrong with one entry that names a built-in function (`name`, of `builtins`) or a user's own (module
-    and function): a reward, or inference's checker. None when its keys are right."""
-    name = entry.get("name")
-    if name is not None and name not in builtins:
-        return (f"no built-in {kind} is called {name!r}; the built-in ones are {', '.join(builtins)} (your own "
-                f"function: module and function)")
-    if name is None and not all(isinstance(entry.get(key), str) and entry[key] for key in USER_REWARD_KEYS):
-        named = " or ".join(builtins) if len(builtins) == 2 else f"one of {', '.join(builtins)}"
-        return f"give name ({named}), or module (a .py file) and function (the name of a function in it)"
-    allowed = (*(("name", *BUILTIN_REWARDS[name]) if name else USER_REWARD_KEYS), *extra_keys)
-    unknown = [key for key in entry if key not in allowed]
-    if unknown:
-        return f"unknown key {unknown[0]!r}; it takes {', '.join(allowed)}"
-    return None
-
-
-def reward_problem(entries: list[dict], max_completion_length: int) -> Optional[str]:
-    """What is wrong with the `rewards` list, in words for its error line, or None."""
-    names = []
-    for number, entry in enumerate(entries, 1):
-        builtin = entry.get("name")
-        problem = function_entry_problem(entry, tuple(BUILTIN_REWARDS), "reward", ("weight",))
-        if problem:
-            label = builtin if builtin in BUILTIN_REWARDS else entry.get("function")
-            return f"entry {number} ({label}): {problem}" if isinstance(label, str) else f"entry {number}: {problem}"
-        problem = reward_value_problem(builtin, entry, max_completion_length)
-        if problem:
-            return f"entry {number} ({builtin or entry['function']}): {problem}"
-        names.append(builtin or entry["function"])
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        return f"{twice[0]} is named twice, so their metrics (rewards/{twice[0]}/mean) would mix; keep one"
-    return None
-
-
-def reward_value_problem(builtin: Optional[str], entry: dict, max_completion_length: int) -> Optional[str]:
-    weight = entry.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-        return f"weight must be a number, got {weight!r}"
-    if builtin == "format" and "pattern" not in entry:
-        return "needs pattern, the regular expression the whole completion must match"
-    pattern = entry.get("pattern")
-    if pattern is not None:
-        if not isinstance(pattern, str):
-            return f"pattern must be a regular expression (text), got {pattern!r}"
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            return f"pattern {pattern!r} is not a regular expression ({exc})"
-    if not isinstance(entry.get("field", "answer"), str):
-        return f"field must name a field of the records, got {entry['field']!r}"
-    tolerance = entry.get("tolerance", 0.0)
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
-        return f"tolerance must be a number >= 0, got {tolerance!r}"
-    cache = entry.get("cache", 1)
-    if isinstance(cache, bool) or not isinstance(cache, int) or not 1 <= cache <= max_completion_length:
-        return f"cache must be a whole number of tokens from 1 to max_completion_length ({max_completion_length}), " \
-               f"got {cache!r}"
-    return None
-
-
 @dataclass
 class Rollouts(Block):
     """reinforcement learning (objective grpo): completions sampled from the model being trained, and their rewards."""
     rewards: Optional[Annotated[list[dict], LocalPath(keys=("module",), runs_code=True)]] = doc(
-        "What scores a completion; the weighted sum of these is its reward. Built in: {name: exact_match} (1 when "
-        "the final answer equals the record's `field`, default answer, after strip; `pattern`: a regex whose last "
-        "match, or its first group, is the final answer), {name: numeric_match} (the last number, or pattern's "
-        "match, within `tolerance` of the field), {name: format, pattern: ...} (1 when the whole completion "
-        "matches the regex), {name: length_penalty} (DAPO's soft overlong penalty: 0 up to max_completion_length - "
-        "`cache` tokens, falling to -1 at max_completion_length; cache defaults to a quarter of it). Your own: "
-        "{module: path/to/file.py, function: name}, called as TRL calls one (prompts, completions, completion_ids "
-        "and every record field as keyword lists), returning one float per completion. Each takes a weight "
-        "(default 1). Required for grpo.")
+        f"What scores a completion; the weighted sum of these is its reward. Built in: {builtin_rewards_doc()}. "
+        "Your own: {module: path/to/file.py, function: name}, called as TRL calls one (prompts, completions, "
+        "completion_ids and every record field as keyword lists), returning one float per completion. Each takes a "
+        "weight (default 1). Required for grpo.")
     num_generations: int = doc("Completions sampled per prompt: the group whose rewards are compared (TRL's "
                                "num_generations). batch_size counts prompts, so a micro-batch holds batch_size x "
                                "num_generations completions.", 8)

@@ -23,7 +23,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Mapping, Optional
+from typing import Annotated, Any, Literal, Mapping, NamedTuple, Optional
 
 from gpt4all_training.errors import UserError, shown
 
@@ -43,6 +43,20 @@ class LocalPath:
 
 
 PathName = Annotated[str, LocalPath()]
+
+
+class Check(NamedTuple):
+    """`key` is wrong unless `ok`; the error line is `{key}: {message}, got {value}` (without the value: got=False)."""
+    key: str
+    ok: bool
+    message: str
+    got: bool = True
+
+
+def quoted_choices(values: tuple[str, ...]) -> str:
+    """The values as a message lists them: "'a', 'b' or 'c'"."""
+    quoted = [repr(value) for value in values]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else "".join(quoted)
 
 
 def path_mark(tp: Any) -> Optional[LocalPath]:

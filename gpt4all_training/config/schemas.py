@@ -11,21 +11,16 @@ The first line of a config's docstring titles its own fields in `--help`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
-from gpt4all_training.config.blocks import (LOSS_TYPES, OBJECTIVE_DEFAULTS, Batching,
-                                            Check, Checkpoints, DataSource, Evaluation, Examples, Faults, LoRA, Logging,
-                                            ModelSource, Objective, Optimizer, Preference, PromptFormat, Publishing,
-                                            Quantization, Rollouts, Schedule, TextField, TrainingCompute, at_least_one,
-                                            function_entry_problem, reward_value_problem)
-from gpt4all_training.config.fields import LocalPath, PathName, doc
-
-# The tokenizer's end-of-text token: the first special token by default.
-EOS = "<|endoftext|>"
-# Held-out records for the tokenizer statistics are every HELDOUT_STRIDE-th record, so they spread over the stream.
-HELDOUT_STRIDE = 10
+from gpt4all_training.config.blocks import (EOS, HELDOUT_STRIDE, Batching, Checkpoints, DataSource, Evaluation,
+                                            Examples, Faults, LoRA, Logging, ModelSource, Objective, Optimizer,
+                                            Preference, PromptFormat, Publishing, Quantization, Rollouts, Schedule,
+                                            TextField, TrainingCompute, at_least_one)
+from gpt4all_training.config.fields import Check, LocalPath, PathName, doc
+from gpt4all_training.config.objectives import OBJECTIVES, objective_checks
+from gpt4all_training.config.rewards import checker_problem
 
 
 @dataclass
@@ -43,7 +38,8 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key, value in OBJECTIVE_DEFAULTS.get(self.objective, {}).items():
+        spec = OBJECTIVES.get(self.objective)
+        for key, value in (spec.defaults if spec is not None else {}).items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
 
@@ -53,7 +49,6 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
 
     def checks(self) -> list[Check]:
         scratch = self.init == "from_config"
-        rows = self.objective == "causal_lm"
         return [
             Check("init", not scratch or not self.lora, "from_config trains every weight; set lora: false"),
             Check(self.quantized_key or "load_in_4bit", not self.quantized_key or self.lora,
@@ -63,68 +58,15 @@ class TrainConfig(Publishing, Logging, Checkpoints, Evaluation, Faults, Optimize
                   "init from_config needs model_config (a folder, a model type such as gptj, or a Hub id)"),
             Check("tokenizer_name", not scratch or bool(self.tokenizer_name or self.model_name),
                   "init from_config needs tokenizer_name (e.g. a folder written by `gpt4all-training tokenizer`)"),
-            Check("packing", not rows or not self.packing, "causal_lm rows are already max_length long; set false"),
-            Check("packing", self.objective != "dpo" or not self.packing,
-                  "dpo scores each answer as a sequence of its own; set false"),
-            Check("packing", self.objective != "grpo" or not self.packing,
-                  "grpo scores each completion as a sequence of its own; set false"),
-            Check("group_by_length", not rows or not self.group_by_length, "causal_lm rows all have one length"),
-            Check("max_steps", not rows or not self.streaming or self.max_steps is not None,
-                  "streaming causal_lm needs max_steps (a stream's length is unknown until it ends)"),
-            *self.preference_checks(),
-            *self.rollout_checks(),
+            *objective_checks(self),
+            Check("reference", self.reference is None or not self.lora,
+                  "with LoRA the reference is the base model with the adapter disabled; leave reference unset"),
         ]
 
     @property
     def quantized_key(self) -> str | None:
         """The key that quantizes the base (load_in_4bit or load_in_8bit), or None."""
         return "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
-
-    def preference_checks(self) -> list[Check]:
-        """The preference keys that a setting leaves without effect are refused rather than ignored."""
-        dpo, grpo = self.objective == "dpo", self.objective == "grpo"
-        defaults = Preference()
-        unread = "only objective dpo reads it; remove it or set objective: dpo"
-        loss_types = LOSS_TYPES.get(self.objective, ())
-        return [
-            Check("beta", self.beta is None or dpo or grpo, "only objectives dpo and grpo read it; remove it"),
-            Check("beta", not dpo or self.beta is None or self.beta > 0, "must be > 0"),
-            Check("beta", not grpo or self.beta is None or self.beta >= 0, "must be >= 0 (0: no reference)"),
-            Check("loss_type", self.loss_type is None or self.loss_type in loss_types,
-                  f"objective {self.objective} takes {', '.join(map(repr, loss_types[:-1]))} or {loss_types[-1]!r}"
-                  if loss_types else
-                  "only objectives dpo and grpo read it; remove it"),
-            Check("label_smoothing", dpo or self.label_smoothing == defaults.label_smoothing, unread),
-            Check("label_smoothing", self.loss_type != "ipo" or self.label_smoothing == 0,
-                  "ipo defines no label smoothing; set 0"),
-            Check("simpo_gamma", self.simpo_gamma == defaults.simpo_gamma or dpo and self.loss_type == "simpo",
-                  "only loss_type simpo reads it; remove it"),
-            Check("sft_weight", dpo or self.sft_weight == defaults.sft_weight, unread),
-            Check("reference", self.reference is None or dpo or grpo and self.reference == "frozen_copy",
-                  "grpo samples new completions at every step, so nothing can be precomputed; leave reference unset"
-                  if grpo else unread),
-            Check("reference", self.reference is None or not grpo or (self.beta or 0) > 0,
-                  "beta 0 has no reference; leave reference unset"),
-            Check("reference", self.reference is None or self.loss_type != "simpo",
-                  "simpo is reference-free; leave reference unset"),
-            Check("reference", self.reference is None or not self.lora,
-                  "with LoRA the reference is the base model with the adapter disabled; leave reference unset"),
-            Check("z_loss", not dpo or self.z_loss == 0, "dpo has no next-token loss to add it to; set 0"),
-        ]
-
-    def rollout_checks(self) -> list[Check]:
-        """grpo's keys are refused under another objective rather than ignored; grpo needs its rewards."""
-        grpo = self.objective == "grpo"
-        defaults = Rollouts()
-        unread = "only objective grpo reads it; remove it or set objective: grpo"
-        return [
-            Check("rewards", not grpo or bool(self.rewards),
-                  "objective grpo needs at least one reward, e.g. [{name: exact_match}] (see docs/grpo.md)",
-                  got=False),
-            *(Check(key, grpo or getattr(self, key) == getattr(defaults, key), unread)
-              for key in (field.name for field in dataclasses.fields(Rollouts))),
-            Check("z_loss", not grpo or self.z_loss == 0, "grpo has no next-token loss to add it to; set 0"),
-        ]
 
 
 @dataclass
@@ -178,16 +120,6 @@ class InferenceConfig(PromptFormat, Examples, DataSource, ModelSource):
                 Check("checker", checker is None, str(checker), got=False),
                 Check("checker_max_new_tokens", self.checker_max_new_tokens >= 1, "must be at least 1"),
                 Check("verifier", verifier is None, str(verifier), got=False)]
-
-
-# The rewards that compare an answer with a record field, which a checker can be.
-BUILTIN_CHECKERS = ("exact_match", "numeric_match")
-
-
-def checker_problem(entry: dict, key: str) -> Optional[str]:
-    """What is wrong with inference's `checker` or `verifier` (`key`), in words for its error line, or None."""
-    return (function_entry_problem(entry, BUILTIN_CHECKERS, key)
-            or reward_value_problem(entry.get("name"), entry, max_completion_length=1))
 
 
 @dataclass

@@ -19,22 +19,38 @@ import keyword
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Literal, Optional, Protocol
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from gpt4all_training.config.schemas import EOS, HELDOUT_STRIDE, TokenizerConfig
+from gpt4all_training.config.blocks import EOS, HELDOUT_STRIDE
 from gpt4all_training.data.records import iter_texts
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_write
 
 # A line's leading run of spaces and tabs (after a newline): isolated before the byte-level split.
 INDENTATION = Regex(r"(?<=\n)[ \t]+")
-# One entry per code_language choice of TokenizerConfig.
+# One entry per code_language choice.
 CODE_KEYWORDS = {"python": tuple(keyword.kwlist)}
 INDENTATION_RUNS = {"2 spaces": "  ", "4 spaces": " " * 4, "8 spaces": " " * 8, "12 spaces": " " * 12,
                     "1 tab": "\t", "2 tabs": "\t\t"}
+
+
+class TokenizerSettings(Protocol):
+    """What training a tokenizer reads of its config: the records' text (data source, raw text, split, max_examples),
+    the vocabulary to learn, and the statistics to report."""
+    dataset_path: Optional[str]
+    revision: Optional[str]
+    text_field: Optional[str]
+    split: str
+    max_examples: Optional[int]
+    vocab_size: int
+    min_frequency: int
+    special_tokens: list[str]
+    split_indentation: bool
+    code_language: Optional[Literal["python"]]
+    heldout_size: int
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1000, min_frequency: int = 2,
@@ -145,7 +161,7 @@ def tokenizer_stats(tokenizer, texts: list[str], code_language: Optional[str] = 
 
 # ---------------------------------------------------------------- the command
 
-def build_tokenizer(config: TokenizerConfig) -> tuple[PreTrainedTokenizerFast, Optional[TokenizerStats]]:
+def build_tokenizer(config: TokenizerSettings) -> tuple[PreTrainedTokenizerFast, Optional[TokenizerStats]]:
     """Train on the configured stream (held-out records excluded) and measure on the held-out records."""
     assert config.dataset_path is not None  # validate() refuses a config without it
     held_out = HeldOut(config.heldout_size)

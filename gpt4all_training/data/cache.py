@@ -44,8 +44,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gpt4all_training.config.blocks import Checkpoints, Examples, PromptFormat
-from gpt4all_training.config.schemas import TrainConfig
+from gpt4all_training.config.blocks import Examples, PromptFormat
+from gpt4all_training.data.settings import CachedDataSettings, CacheLocation
 from gpt4all_training.data.sft import DataStats
 from gpt4all_training.files import marker_problem, new_folder
 from gpt4all_training.run_folder import TOKENIZED_DIR
@@ -72,7 +72,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def data_settings(config: TrainConfig) -> dict[str, Any]:
+def data_settings(config: CachedDataSettings) -> dict[str, Any]:
     """The config's fields that decide the tokens (see the module docstring)."""
     fields = ["objective", *(f.name for block in (Examples, PromptFormat) for f in dataclasses.fields(block))]
     return {name: getattr(config, name) for name in fields if name not in NOT_DECIDING}
@@ -90,18 +90,18 @@ def code_version() -> str:
     return digest.hexdigest()
 
 
-def cache_key(config: TrainConfig, tokenizer, records_digest: str) -> str:
+def cache_key(config: CachedDataSettings, tokenizer, records_digest: str) -> str:
     parts = {"records": records_digest, "tokenizer": tokenizer_fingerprint(tokenizer),
              "settings": data_settings(config), "code": code_version()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def cache_entry(config: TrainConfig, tokenizer, records_digest: str) -> Path:
+def cache_entry(config: CachedDataSettings, tokenizer, records_digest: str) -> Path:
     """The folder of the entry these inputs would have."""
     return cache_root(config) / cache_key(config, tokenizer, records_digest)
 
 
-def cache_root(config: Checkpoints) -> Path:
+def cache_root(config: CacheLocation) -> Path:
     """cache_dir, or output_dir/tokenized: a restart or resume of the run finds it without any setting."""
     return Path(config.cache_dir).expanduser() if config.cache_dir else Path(config.output_dir) / TOKENIZED_DIR
 
@@ -177,7 +177,7 @@ def preparing(entry: Path, log: Callable[[str], Any]):
             lock.release()
 
 
-def cached_splits(config: TrainConfig, tokenizer, records_digest: str, build: Callable[[], tuple[tuple, tuple]],
+def cached_splits(config: CachedDataSettings, tokenizer, records_digest: str, build: Callable[[], tuple[tuple, tuple]],
                   log: Callable[[str], Any]) -> tuple[tuple, tuple]:
     """((train, val), (train_stats, val_stats)): from the cache entry of these inputs, or `build()` and saved as one,
     by one process at a time (`preparing`). A cache that cannot be written costs the next start a tokenization,

@@ -19,7 +19,6 @@ from typing import Any, Iterator
 import torch
 
 from gpt4all_training.batch import IGNORE
-from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.batching import collate
 from gpt4all_training.data.chat import (ChatEncoder, ConversationExample, Messages, conversation_messages,
                                         require_trainable_chat)
@@ -27,6 +26,7 @@ from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.preferences import PAIR_FIELDS, pair_problem, record_problem
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
 from gpt4all_training.data.records import iter_records, local_data_files
+from gpt4all_training.data.settings import DataSettings
 from gpt4all_training.data.sft import (DataStats, build_example, effective_num_proc, encode_responses, finish_split,
                                        keep_head_for, split_records)
 from gpt4all_training.errors import UserError
@@ -208,7 +208,7 @@ def tokenize_pairs(ds, tokenizer, max_length: int, template: str, num_proc: int 
                   desc="tokenizing preference pairs")
 
 
-def load_pair_data(config: TrainConfig, tokenizer, records) -> tuple[tuple, tuple[DataStats, DataStats]]:
+def load_pair_data(config: DataSettings, tokenizer, records) -> tuple[tuple, tuple[DataStats, DataStats]]:
     """Train and validation pairs, tokenized, with the statistics of each, split as sft splits its records."""
     train_raw, val_raw = split_records(records, config.val_fraction, config.seed)
     template = resolve_template(config.prompt_template, tokenizer)

@@ -23,6 +23,7 @@ from gpt4all_training.data.chat import ChatEncoder, require_trainable_chat
 from gpt4all_training.data.conversations import conversation_problem, is_text, message, template_messages
 from gpt4all_training.data.prompts import encode_prompts, resolve_template
 from gpt4all_training.data.records import iter_records, local_data_files
+from gpt4all_training.data.settings import DataSettings
 from gpt4all_training.data.sft import split_records
 from gpt4all_training.errors import UserError
 
@@ -182,11 +183,13 @@ def prompt_split(records: list[dict[str, Any]], positions: list[int], encoded: l
     return kept, stats
 
 
-def load_prompts(config, tokenizer) -> tuple[tuple[Prompts, Prompts], tuple[PromptStats, PromptStats], str]:
+def load_prompts(config: DataSettings, tokenizer
+                 ) -> tuple[tuple[Prompts, Prompts], tuple[PromptStats, PromptStats], str]:
     """((train, val), (their statistics), the records' fingerprint), split as sft splits its records (val_fraction,
     seed); a run that keeps no training prompt is an error."""
     import datasets
 
+    assert config.dataset_path is not None  # validate() refuses a config without it
     records = [record for _, record in prompt_rows(config.dataset_path, config.revision)]
     if not records:
         raise UserError(f"dataset_path {config.dataset_path}: no records; run clean.py --prompts on the raw prompts "

@@ -22,12 +22,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpt4all_training.batch import IGNORE
-from gpt4all_training.config.blocks import Examples
-from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.chat import UNRENDERED, require_trainable_chat, tokenized_conversations, unrendered_refusal
 from gpt4all_training.data.conversations import is_text
 from gpt4all_training.data.prompts import encode_prompts, encode_texts, resolve_template
 from gpt4all_training.data.records import load_records, record_location, record_sources
+from gpt4all_training.data.settings import DataSettings
 from gpt4all_training.errors import UserError
 from gpt4all_training.files import atomic_file
 
@@ -207,7 +206,7 @@ def tokenize_columns(*values: list, names: list[str], shaped: bool, tokenizer, m
     return tokenize_batch(batch, tokenizer, max_length, template)
 
 
-def effective_num_proc(config: Examples, n_rows: int) -> int | None:
+def effective_num_proc(config: DataSettings, n_rows: int) -> int | None:
     """The worker processes datasets.map gets: None (this process) for small data, whose worker start-up costs more
     than it saves, and for one process, which datasets would otherwise run in a pool of one."""
     if config.streaming or n_rows < 2000:
@@ -301,7 +300,7 @@ def refuse_unrendered(splits, dataset_path: str) -> None:
         raise UserError(unrendered_refusal(part, count, record_location(dataset_path, first[part])))
 
 
-def load_data(config: TrainConfig, tokenizer, records=None):
+def load_data(config: DataSettings, tokenizer, records=None):
     """Train and validation splits, tokenised, with the statistics of each: ((train, val), (train_stats, val_stats)).
     `records` are load_records' for the config's dataset, when the caller has read them already."""
     assert config.dataset_path is not None  # validate() refuses a config without it

@@ -34,10 +34,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 import numpy as np
 import torch
 
-from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.batching import row_labels
 from gpt4all_training.data.records import iter_texts, load_table, local_text_files, text_column
 from gpt4all_training.data.sampling import epoch_seed
+from gpt4all_training.data.settings import RawTextSettings
 from gpt4all_training.data.sft import effective_num_proc
 from gpt4all_training.errors import UserError
 
@@ -392,7 +392,7 @@ def _tokenize_records(batch, indices, tokenizer, column: str, val_every: int) ->
     return {"input_ids": tokenize(tokenizer, texts), "held_out": [held_out(i, val_every) for i in indices]}
 
 
-def tokenized_records(config: TrainConfig, tokenizer, val_every: int):
+def tokenized_records(config: RawTextSettings, tokenizer, val_every: int):
     """`streaming: false`: every record tokenised by datasets.map (cached, parallel), in stored order."""
     assert config.dataset_path is not None  # validate() refuses a config without it
     files = local_text_files(config.dataset_path)
@@ -426,7 +426,7 @@ def validation_dataset(rows: list[list[int]]):
 MAX_VALIDATION_ROWS = 1024
 
 
-def load_pretrain_data(config: TrainConfig, tokenizer, log: Callable[[str], Any] = print, *, world_size: int):
+def load_pretrain_data(config: RawTextSettings, tokenizer, log: Callable[[str], Any] = print, *, world_size: int):
     """Same shape as sft.load_data: ((train rows, validation dataset), (train stats, validation stats)).
     `world_size` is the number of processes training runs on."""
     val_every = validation_stride(config.val_fraction)

@@ -28,6 +28,9 @@ llama.cpp's quantizer is installed (make install). Anything else is refused in o
 written, and so is a Gemma 3 configuration that llama.cpp would run otherwise than transformers (gemma3_difference).
 GPT-J is refused: llama.cpp names the architecture but has no graph for it (the name was reserved for GPT4All's own
 GPT-J backend, which GPT4All later dropped), and transformers has no GGUF reader for it.
+
+As the gguf export format (export/formats.py), `write_export` writes the file, an Ollama Modelfile beside it, and the
+model card's lines on how llama.cpp reading the file agrees with the merged model (export/agreement.py).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from typing import TYPE_CHECKING
 
 from gpt4all_training.errors import UserError
 from gpt4all_training.export import llama_cpp
-from gpt4all_training.export.template import SAMPLING, template_end_of_turn
+from gpt4all_training.export.agreement import measure
+from gpt4all_training.export.formats import ExportRequest, ExportSource, Written
+from gpt4all_training.export.template import SAMPLING, ollama_modelfile, sampling_card, template_end_of_turn
 
 if TYPE_CHECKING:  # transformers loads in the functions that need it, not on import
     from transformers import PretrainedConfig
@@ -225,6 +230,17 @@ def write_gguf(model, tokenizer, folder: Path, dtype: str, name: str, license_id
         if steps.quantize:
             llama_cpp.quantize([steps.quantize])
     return path
+
+
+def write_export(source: ExportSource, folder: Path, request: ExportRequest) -> Written:
+    """The gguf format: the file, an Ollama Modelfile beside it, and what the model card adds: how often llama.cpp
+    reading the file agrees with the merged model, and the sampling settings for the pre-tokenizer it declares."""
+    path = write_gguf(source.model, source.tokenizer, folder, request.dtype, request.name,
+                      source.license.get("license"), (source.run.config.get("tokenizer_name"), source.base_name))
+    (folder / "Modelfile").write_text(ollama_modelfile(path.name, source.tokenizer), encoding="utf-8")
+    agreement = measure(path, source.model, source.tokenizer)
+    pre = read_gguf_strings(path, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
+    return Written(agreement.card() + sampling_card(pre), agreement)
 
 
 def read_gguf_strings(path: str | Path, keys: tuple[str, ...]) -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""Export a trained model for inference: a slim Hugging Face folder or a GGUF file, each with a model card.
+"""Export a trained model for inference in one of the formats of export/formats.py (a slim Hugging Face folder, written
+here by `write_hf`, or a GGUF file, by gguf.py): `export` reads and merges the input, writes the format's files with a
+model card into a folder of their own and renames it into place.
 
 `--from` takes any of:
 - a training checkpoint `step_N/`: the weights in `step_N/model/`; optimiser, scheduler and RNG state are ignored.
@@ -16,7 +18,7 @@ Both formats carry the chat template and its end-of-turn token (export/template.
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,10 +28,11 @@ from safetensors import SafetensorError
 
 from gpt4all_training.config.secrets import scrub
 from gpt4all_training.errors import UserError, write_failure
-from gpt4all_training.export.agreement import Agreement, measure
-from gpt4all_training.export.gguf import TYPES, check_architecture, read_gguf_strings, write_gguf
-from gpt4all_training.export.template import (add_template_to_tokenizer_config, ollama_modelfile, sampling_card,
-                                              stop_token_ids)
+from gpt4all_training.export.agreement import Agreement
+from gpt4all_training.export.formats import (ExportFormat, ExportRequest, ExportSource, RunInfo, Written,
+                                             chosen_dtype, format_named)
+from gpt4all_training.export.gguf import read_gguf_strings
+from gpt4all_training.export.template import add_template_to_tokenizer_config, stop_token_ids
 from gpt4all_training.backends.deepspeed import deepspeed_pickled_types
 from gpt4all_training.files import MARKER, check_tensor_files, marker_problem, new_folder, writable_folder
 from gpt4all_training.model.loading import (adapter_base, adapter_quantization, is_adapter_folder, load_model,
@@ -44,7 +47,6 @@ from gpt4all_training.run_folder import (CONFIG_FILE, MERGED_DIR, METRICS_FILE, 
 from gpt4all_training.tracking.tracker import read_metrics
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-DEFAULT_DTYPE = {"hf": "bf16", "gguf": "q8_0"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
                 "pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -57,35 +59,6 @@ LICENSE_NOTICES = {
     "llama3.3": 'Llama 3.3 Community License: display "Built with Llama"; the model name must begin with "Llama".',
     "gemma": "Gemma Terms of Use: pass them and the use restrictions on with the model.",
 }
-
-
-@dataclass
-class RunInfo:
-    """What the training run left next to the checkpoint: its config, progress and last logged losses."""
-
-    config: dict[str, Any] = field(default_factory=dict)
-    state: dict[str, Any] = field(default_factory=dict)
-    losses: dict[str, float] = field(default_factory=dict)
-    last_logged_step: int | None = None
-
-    @property
-    def steps(self) -> int | None:
-        return self.state.get("step", self.last_logged_step)
-
-
-@dataclass
-class ExportSource:
-    model: Any  # an fp32 AutoModelForCausalLM with any LoRA already merged
-    tokenizer: Any
-    base_name: str | None  # the model that was fine-tuned, as the run named it
-    run: RunInfo
-    license: dict[str, str]
-    merge_note: str | None = None  # a QLoRA run's: the dequantized base plus the adapter, and the gap measured
-
-    @property
-    def base_gguf(self) -> Path | None:
-        path = Path(self.base_name) if self.base_name else None
-        return path if path and path.suffix == ".gguf" and path.is_file() else None
 
 
 # ---------------------------------------------------------------- reading the input
@@ -355,13 +328,13 @@ def declared_name(base_gguf: Path | None) -> str | None:
     return " ".join(fields[key] for key in ("general.organization", "general.name") if key in fields) or None
 
 
-def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
+def model_card(name: str, source: ExportSource, spec: ExportFormat, dtype: str) -> str:
     """README.md: front matter the Hub reads, then what was trained on what, for how long, with what result."""
     front: dict[str, Any] = {"license": source.license.get("license", "unknown")}
     front.update({key: value for key, value in source.license.items() if key != "license"})
     if source.base_name and not Path(source.base_name).exists():
         front["base_model"] = source.base_name  # only Hub ids; a local path means nothing to readers
-    front["tags"] = ["gpt4all-training", "gguf" if fmt == "gguf" else "safetensors"]
+    front["tags"] = ["gpt4all-training", spec.card_tag]
     config = source.run.config
     rows = [
         ("Base model", portable_name(source.base_name) if source.base_name else "unknown"),
@@ -373,7 +346,7 @@ def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
     if declared := declared_name(source.base_gguf):
         rows.insert(1, ("Base model, as its GGUF names it", declared))
     rows += [(f"Final {key}", f"{value:.4f}") for key, value in sorted(source.run.losses.items())]
-    rows += [("Export", f"{fmt} {dtype}"), ("License", source.license.get("license", "unknown"))]
+    rows += [("Export", f"{spec.name} {dtype}"), ("License", source.license.get("license", "unknown"))]
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "", f"# {name}", "",
              "Fine-tuned with gpt4all-training.", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in rows]
@@ -389,20 +362,15 @@ def model_card(name: str, source: ExportSource, fmt: str, dtype: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_hf(source: ExportSource, folder: Path, dtype: str, max_shard_size: str) -> None:
+def write_hf(source: ExportSource, folder: Path, request: ExportRequest) -> Written:
+    """The hf format: a slim safetensors folder that transformers, vLLM and TGI load."""
     stops = stop_token_ids(source.tokenizer)
     if len(stops) > 1:  # generate() stops at any of them: a chat turn ends on its end-of-turn token
         source.model.generation_config.eos_token_id = stops
-    source.model.to(DTYPES[dtype]).save_pretrained(folder, max_shard_size=max_shard_size)
+    source.model.to(DTYPES[request.dtype]).save_pretrained(folder, max_shard_size=request.max_shard_size)
     source.tokenizer.save_pretrained(folder)
     add_template_to_tokenizer_config(folder, source.tokenizer)
-
-
-def write_gguf_file(source: ExportSource, folder: Path, dtype: str, name: str) -> Path:
-    path = write_gguf(source.model, source.tokenizer, folder, dtype, name, source.license.get("license"),
-                      (source.run.config.get("tokenizer_name"), source.base_name))
-    (folder / "Modelfile").write_text(ollama_modelfile(path.name, source.tokenizer), encoding="utf-8")
-    return path
+    return Written()
 
 
 def check_output_folder(out: Path) -> None:
@@ -444,36 +412,26 @@ def export(source: str, to: str, fmt: str, dtype: str | None = None, base: str |
 
 def export_with_agreement(source: str, to: str, fmt: str, dtype: str | None = None, base: str | None = None,
                           max_shard_size: str = "2GB") -> Exported:
-    """Export `source` to the folder `to`; the files written and, for a GGUF, its agreement with the merged model
-    (in its model card too)."""
-    dtype = dtype or DEFAULT_DTYPE[fmt]
-    if fmt == "hf" and dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype}: --format hf takes one of {', '.join(DTYPES)}")
-    if fmt == "gguf" and dtype not in TYPES:
-        raise UserError(f"--dtype {dtype}: --format gguf takes one of {', '.join(TYPES)}")
+    """Export `source` to the folder `to` in the format `fmt` (export/formats.py); the files written and, for a GGUF,
+    its agreement with the merged model (in its model card too)."""
+    spec = format_named(fmt)
+    request = ExportRequest(Path(to).name, chosen_dtype(spec, dtype), max_shard_size)
     out = Path(to)
     check_output_folder(out)  # before the slow load
     # A broken or foreign config.json: one line, before the slow load.
     config = local_config(Path(resolved_name(source)), base)
-    if fmt == "gguf" and config is not None:
-        check_architecture(config, dtype)  # refuse before loading weights
+    if config is not None:
+        spec.refuse(config, request.dtype)  # before loading weights
     loaded = load_source(source, base)
-    if fmt == "gguf":
-        check_architecture(loaded.model.config, dtype)
-
-    agreement: Agreement | None = None
+    spec.refuse(loaded.model.config, request.dtype)
+    written = Written()
 
     def fill(folder: Path) -> None:
-        nonlocal agreement
-        card = model_card(out.name, loaded, fmt, dtype)
-        if fmt == "hf":
-            write_hf(loaded, folder, dtype, max_shard_size)
-        else:
-            path = write_gguf_file(loaded, folder, dtype, out.name)
-            agreement = measure(path, loaded.model, loaded.tokenizer)
-            pre = read_gguf_strings(path, ("tokenizer.ggml.pre",)).get("tokenizer.ggml.pre")
-            card += "\n".join(agreement.card() + sampling_card(pre)) + "\n"
+        nonlocal written
+        card = model_card(out.name, loaded, spec, request.dtype)
+        written = spec.write()(loaded, folder, request)
+        card += "".join(f"{line}\n" for line in written.card)
         (folder / "README.md").write_text(scrub(card), encoding="utf-8")
 
     write_folder_atomically(out, fill)
-    return Exported(sorted(out.iterdir()), agreement)
+    return Exported(sorted(out.iterdir()), written.agreement)

@@ -21,15 +21,14 @@ fp32 (tests/test_build.py holds it to that).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Optional, Protocol
 
 import torch
 from torch import nn
 
-from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 from gpt4all_training.model.attention import attend_per_example
-from gpt4all_training.model.from_config import build_model_from_config, resolve_model_config
+from gpt4all_training.model.from_config import ArchitectureSettings, build_model_from_config, resolve_model_config
 from gpt4all_training.model.loading import check_positions, load_model, model_config
 from gpt4all_training.model.names import resolved_name
 from gpt4all_training.model.lora import apply_lora
@@ -41,6 +40,28 @@ from gpt4all_training.model.wrappers import unwrap_model
 
 # The weights training updates are kept in fp32 whatever the compute dtype: autocast runs the matmuls in it.
 MASTER_DTYPE = torch.float32
+
+
+class ModelSettings(ArchitectureSettings, Protocol):
+    """What building the trained model reads: where its weights come from (model, objective's init), how they are
+    stored (dtype, quantization), trained (LoRA, compute) and fed (batches' packing)."""
+    init: Literal["pretrained", "from_config"]
+    gguf_file: Optional[str]
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    gradient_checkpointing: bool
+    lora: bool
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    lora_target_modules: Optional[list[str]]
+    load_in_4bit: bool
+    load_in_8bit: bool
+    bnb_4bit_quant_type: Literal["nf4", "fp4"]
+    bnb_4bit_use_double_quant: bool
+    packing: bool
+
+    @property
+    def quantized_key(self) -> str | None: ...
 
 
 class BuildingBackend(Protocol):
@@ -61,7 +82,7 @@ class BuildingBackend(Protocol):
     def print(self, *args) -> None: ...
 
 
-def build_training_model(config: TrainConfig, tokenizer, backend: BuildingBackend, *,
+def build_training_model(config: ModelSettings, tokenizer, backend: BuildingBackend, *,
                          dropout_off: bool = False) -> nn.Module:
     """The model `config` trains, for backend.prepare: its base (init: config.init), checkpointed and with a LoRA
     adapter as the config says. `dropout_off` sets every dropout of the base to 0 (dpo: the policy and its reference
@@ -72,7 +93,7 @@ def build_training_model(config: TrainConfig, tokenizer, backend: BuildingBacken
                                device=loading_device(quantization, backend)), config, backend)
 
 
-def storage_dtype(config: TrainConfig, backend: BuildingBackend, quantized: bool) -> torch.dtype:
+def storage_dtype(config: ModelSettings, backend: BuildingBackend, quantized: bool) -> torch.dtype:
     """What the base's weights are stored in. Under LoRA with a 16-bit compute dtype the frozen base is stored in it,
     as PEFT and TRL users load it: half the weight memory, and no cast per matmul under autocast (which computes in
     that dtype from fp32 weights anyway). The weights training updates stay fp32. Not where the backend partitions
@@ -82,7 +103,7 @@ def storage_dtype(config: TrainConfig, backend: BuildingBackend, quantized: bool
     return MASTER_DTYPE
 
 
-def quantization_for(config: TrainConfig, backend: BuildingBackend):
+def quantization_for(config: ModelSettings, backend: BuildingBackend):
     """The bitsandbytes config of the base (None: unquantized), in the storage the backend can shard; a combination
     that cannot work is refused in one line that says which would."""
     settings = quantization_settings(config)
@@ -108,7 +129,7 @@ def loading_device(quantization, backend: BuildingBackend) -> torch.device | Non
     return backend.device
 
 
-def base_model(config: TrainConfig, tokenizer, *, dtype: torch.dtype = MASTER_DTYPE, dropout_off: bool = False,
+def base_model(config: ModelSettings, tokenizer, *, dtype: torch.dtype = MASTER_DTYPE, dropout_off: bool = False,
                quantization=None, device: torch.device | None = None) -> nn.Module:
     """model_name's weights (init: pretrained) or random ones from model_config seeded by the caller's torch seed
     (init: from_config, its vocabulary the tokenizer's), stored in `dtype`; with `quantization` (a bitsandbytes
@@ -124,7 +145,7 @@ def base_model(config: TrainConfig, tokenizer, *, dtype: torch.dtype = MASTER_DT
     return model
 
 
-def assemble(model: nn.Module, config: TrainConfig, backend: BuildingBackend) -> nn.Module:
+def assemble(model: nn.Module, config: ModelSettings, backend: BuildingBackend) -> nn.Module:
     """`model` (a base) made into the model a run trains: checkpointed, with its LoRA adapter, the loss told what it
     may do with the output head, and its parameter counts logged."""
     if config.gradient_checkpointing and not model.is_activation_checkpointing:
@@ -177,7 +198,7 @@ def quantized_whole_copy(unwrapped: Any, state_dict: dict[str, torch.Tensor]) ->
     return copy
 
 
-def log_quantized_storage(model: nn.Module, config: TrainConfig, backend: BuildingBackend) -> None:
+def log_quantized_storage(model: nn.Module, config: ModelSettings, backend: BuildingBackend) -> None:
     """One line: how the base is stored, its quantized weights' bytes (constants included) and the bits per weight
     that makes, and the unquantized rest."""
     weights, stored = quantized_bytes(model)
@@ -219,7 +240,7 @@ def log_parameter_counts(model: nn.Module, backend: BuildingBackend) -> None:
                      if resident < total else ""))
 
 
-def architecture(config: TrainConfig, tokenizer):
+def architecture(config: ModelSettings, tokenizer):
     """The config of the model to train, without its weights: built from model_config, or model_name's."""
     if config.init == "from_config":
         return resolve_model_config(config, tokenizer)
@@ -227,7 +248,7 @@ def architecture(config: TrainConfig, tokenizer):
     return model_config(config.model_name, config.model_revision, config.gguf_file, config.trust_remote_code)
 
 
-def check_max_length(config: TrainConfig, tokenizer) -> None:
-    """Refuse a max_length beyond the positions of the model to train, from its config alone: before the minutes of
+def check_max_length(config: ModelSettings, tokenizer, max_length: int) -> None:
+    """Refuse a `max_length` beyond the positions of the model to train, from its config alone: before the minutes of
     tokenizing."""
-    check_positions(architecture(config, tokenizer), config.max_length)
+    check_positions(architecture(config, tokenizer), max_length)

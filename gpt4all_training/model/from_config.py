@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional, Protocol
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import UserError
 
 
-def resolve_model_config(config: TrainConfig, tokenizer):
+class ArchitectureSettings(Protocol):
+    """What the architecture of a model built from a config reads (objective and model blocks)."""
+    model_name: Optional[str]
+    model_config: Optional[str]
+    model_config_overrides: Optional[dict]
+    model_revision: Optional[str]
+    trust_remote_code: bool
+
+
+def resolve_model_config(config: ArchitectureSettings, tokenizer):
     """`model_config` (a local folder, a model type such as 'gptj', or a Hub id; default model_name) with
     `model_config_overrides` applied, and the vocabulary and special tokens of the tokenizer."""
     from transformers import AutoConfig
@@ -45,7 +54,7 @@ def resolve_model_config(config: TrainConfig, tokenizer):
     return model_config
 
 
-def build_model_from_config(config: TrainConfig, tokenizer, dtype: torch.dtype = torch.float32):
+def build_model_from_config(config: ArchitectureSettings, tokenizer, dtype: torch.dtype = torch.float32):
     """A randomly initialised AutoModelForCausalLM (seeded by the caller's torch seed), in `dtype`."""
     from transformers import AutoModelForCausalLM
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,26 @@ def loading_errors(what: str):
         raise refused from None
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While this lasts, each GGUF file's header is parsed once and gguf's tensor-name table built once per
+    architecture. transformers parses a file's header anew for the config, the tokenizer and the weights, and
+    rebuilds the tensor-name table for every module of the model (hundreds of times); each depends only on its
+    arguments, and together they were most of a GGUF model's load time. Nested uses share the outer one's parses."""
+    import gguf
+
+    if hasattr(gguf.get_tensor_name_map, "cache_info"):
+        yield
+        return
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(gguf.GGUFReader)  # transformers imports both by name at each call
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = originals
+
+
 def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None = None,
                    trust_remote_code: bool = False, key: str = "model_name"):
     """A fast tokenizer with a pad token: EOS stands in when the model has none (no new tokens are ever added).
@@ -114,8 +135,9 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
 
                 tokenizer = TokenizersBackend.from_pretrained(source)
             else:
-                tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
-                                                          trust_remote_code=trust_remote_code, **extra)
+                with gguf_parsed_once():
+                    tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
+                                                              trust_remote_code=trust_remote_code, **extra)
     except Exception:
         # transformers reads these files with json.load and indexes what it gets, so a damaged one surfaces as
         # whichever error that meets first (JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, ...),
@@ -250,7 +272,7 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
             extra["device_map"] = {"": device}
     # transformers 5 always builds the model empty and loads weights into it (what low_cpu_mem_usage was), and
     # under ZeRO-3 partitions each parameter as it is built, so no rank ever holds a whole fp32 copy.
-    with loading_errors(f"{key} {name}"):
+    with loading_errors(f"{key} {name}"), gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
                                                      trust_remote_code=trust_remote_code, **extra)
     if extra.get("gguf_file"):

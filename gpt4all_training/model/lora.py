@@ -33,9 +33,12 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: list[s
         # Checkpointed blocks only recompute when their input needs grad; with frozen embeddings it would not.
         model.enable_input_require_grads()
     try:
-        return get_peft_model(model, config)
+        adapted = get_peft_model(model, config)
     except ValueError as exc:
         raise UserError(f"lora_target_modules: {exc}") from None
+    if fused and not getattr(model, "is_quantized", False):
+        fuse_gated_mlps(adapted)
+    return adapted
 
 
 class FusedLoraLinear(PeftLoraLinear):
@@ -120,3 +123,83 @@ class _FusedLoraLinearFunction(torch.autograd.Function):
                 grad_x.addmm_(grad_low_rank, lora_a)
             grad_x = grad_x.view(ctx.input_shape)
         return grad_x, None, None, grad_a, grad_b, None, None
+
+
+def fuse_gated_mlps(model) -> int:
+    """Run each gated MLP, `down(act(gate(x)) * up(x))` with SiLU (Llama, Mistral, Qwen and their kin), whose down
+    projection is a FusedLoraLinear through one autograd node for the activation, the product and the down
+    projection. It keeps gate and up for the backward pass and recomputes silu(gate) * up there; autograd would also
+    keep silu(gate) and the product, two more tensors of the MLP's width for every token of every layer. A module
+    is switched only where its own forward gives what the fused one gives on a probe input (weights on the meta
+    device, as the plan builds them, are left alone). Returns how many were switched."""
+    switched = 0
+    for module in model.modules():
+        down = getattr(module, "down_proj", None)
+        if not (isinstance(down, FusedLoraLinear) and all(hasattr(module, a) for a in ("gate_proj", "up_proj",
+                                                                                      "act_fn"))):
+            continue
+        base = down.base_layer
+        assert isinstance(base, nn.Linear)  # FusedLoraLinear replaces nn.Linear layers only
+        weight = base.weight  # (MLP input width, MLP width)
+        if weight.is_meta:
+            continue
+        # Drawn from a generator of its own: building a model must not move the seeded global stream.
+        probe = torch.randn(1, 2, weight.shape[0], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
+        probe = probe.to(weight.device)
+        fused = gated_mlp_forward.__get__(module)
+        with torch.no_grad():
+            if not torch.allclose(module(probe), fused(probe), rtol=1e-4, atol=1e-6):
+                continue
+        module.forward = fused
+        switched += 1
+    return switched
+
+
+def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's forward through `_GatedDownFunction` where its down projection's fused node applies, else its
+    class's own (a disabled or merged adapter, dropout, an adapter merged and unloaded)."""
+    down = self.down_proj
+    adapter = down._fusable_adapter((), {}) if isinstance(down, FusedLoraLinear) else None
+    dropout = down.lora_dropout[adapter] if adapter is not None else None
+    if adapter is None or (isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0):
+        return type(self).forward(self, x)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    weight, bias = down.base_layer.weight, down.base_layer.bias
+    lora_a, lora_b = down.lora_A[adapter].weight, down.lora_B[adapter].weight
+    device = gate.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        gate, up, weight, lora_a, lora_b = (t.to(dtype) for t in (gate, up, weight, lora_a, lora_b))
+        bias = None if bias is None else bias.to(dtype)
+    else:
+        gate, up, lora_a, lora_b = (t.to(weight.dtype) for t in (gate, up, lora_a, lora_b))
+    with torch.autocast(device, enabled=False):
+        return _GatedDownFunction.apply(gate, up, weight, bias, lora_a, lora_b, down.scaling[adapter])
+
+
+class _GatedDownFunction(torch.autograd.Function):
+    """down(silu(gate) * up), down a frozen linear layer plus its adapter: `_FusedLoraLinearFunction` with its input
+    recomputed from gate and up in the backward pass instead of kept."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling):
+        rows = (torch.nn.functional.silu(gate) * up).reshape(-1, gate.shape[-1])
+        low_rank = rows @ lora_a.t()
+        out = rows @ weight.t() if bias is None else torch.addmm(bias, rows, weight.t())
+        out.addmm_(low_rank, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(gate, up, low_rank, weight, lora_a, lora_b)
+        ctx.scaling = scaling
+        return out.view(*gate.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, low_rank, weight, lora_a, lora_b = ctx.saved_tensors
+        activated = torch.nn.functional.silu(gate)
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_low_rank = (grad_rows @ lora_b).mul_(ctx.scaling)
+        grad_b = (grad_rows.t() @ low_rank).mul_(ctx.scaling)
+        grad_a = grad_low_rank.t() @ (activated * up).reshape(-1, gate.shape[-1])
+        grad_product = (grad_rows @ weight).addmm_(grad_low_rank, lora_a).view(gate.shape)
+        grad_up = grad_product * activated
+        grad_gate = torch.ops.aten.silu_backward(grad_product.mul_(up), gate)
+        return grad_gate, grad_up, None, None, grad_a, grad_b, None

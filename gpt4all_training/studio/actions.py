@@ -1,13 +1,17 @@
-"""What each page does, as the CLI does it: every action calls the package function behind its subcommand and
-returns, with its result, the command line a user would type from the workdir to do the same.
+"""What each page does, as the CLI does it: every action builds the command line of its subcommand from the page's
+values (`cli.main.command_line`: the subcommand's own parser, its options by their argparse dest), parses it as the
+CLI does, and calls the subcommand's `execute(args)`, the one implementation both share; it returns, with the
+result, that command line, which a user can type from the workdir to do the same.
 
-Paths arrive relative to the workdir (or absolute inside it) and are checked there (workdir.py); the functions get
-them relative, as the CLI run from the workdir would (the studio's current folder is the workdir). Every config an
-action loads or builds has its paths confined to the workdir before anything reads them (`Workdir.confine`).
+Paths arrive relative to the workdir (or absolute inside it) and are checked there before anything runs
+(`confined`: every field a request body types PathName); the commands get them relative, as the CLI run from the
+workdir would (the studio's current folder is the workdir). Every config an action loads or builds has its paths
+confined to the workdir before anything reads them (`Workdir.confine`).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -15,29 +19,31 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from gpt4all_training.analysis.curation.curate import CurateOptions, curate
-from gpt4all_training.analysis.inference import run_inference
-from gpt4all_training.analysis.map.build import build_map
-from gpt4all_training.analysis.map.layout import LAYOUTS
+from pydantic import BaseModel
+
 from gpt4all_training.analysis.map.runs import result_path
+from gpt4all_training.cli import build_map as build_map_command
+from gpt4all_training.cli import check as check_command
+from gpt4all_training.cli import clean as clean_command
+from gpt4all_training.cli import curate as curate_command
+from gpt4all_training.cli import data as data_command
+from gpt4all_training.cli import eval as eval_command
+from gpt4all_training.cli import export as export_command
+from gpt4all_training.cli import inference as inference_command
+from gpt4all_training.cli import plan as plan_command
+from gpt4all_training.cli.main import command_line
 from gpt4all_training.config.blocks import validate
+from gpt4all_training.config.fields import LocalPath, path_mark
 from gpt4all_training.config.loader import build_config, load_config
 from gpt4all_training.config.schemas import InferenceConfig, TrainConfig
-from gpt4all_training.data.clean import OASST_MODES, Filters, clean
-from gpt4all_training.data.sft import TRAINED_MARKS, load_data, trained_spans
+from gpt4all_training.data.sft import TRAINED_MARKS, trained_spans
 from gpt4all_training.errors import UserError
-from gpt4all_training.evaluation.harness import EvalSettings, evaluate
-from gpt4all_training.evaluation.results import comparison_of, interval_of, scores, write_results
-from gpt4all_training.export.hf import export
+from gpt4all_training.evaluation.results import comparison_of, interval_of, scores
 from gpt4all_training.files import atomic_write
-from gpt4all_training.model.loading import tokenizer_for
 from gpt4all_training.model.names import PACKAGED_MODELS, packaged_model
-from gpt4all_training.preflight.check import run_checks
-from gpt4all_training.preflight.plan import make_plan
 from gpt4all_training.run_folder import CONFIG_FILE, FINAL_DIR, step_folders
 from gpt4all_training.studio.configs import EVAL_SUITE_DIR, load_in, presets
 from gpt4all_training.studio.workdir import EVAL_DIR, MAPS_DIR, Workdir
-from gpt4all_training.training.objectives import objective_for
 
 CLI = "gpt4all-training"
 # The keys an inference run must share with the training run it scores (the split and the tokens depend on them);
@@ -51,15 +57,33 @@ def command(*parts: Any) -> str:
     return shlex.join([CLI, *(str(part) for part in parts if part is not None)])
 
 
-def flag(name: str, value: Any) -> list[str]:
-    """`--name value`, `--name` for True, nothing for None/False."""
-    if value is None or value is False:
-        return []
-    return [name] if value is True else [name, str(value)]
+def parsed(name: str, values: dict[str, Any]) -> tuple[str, argparse.Namespace]:
+    """(the command line a user types, the arguments the subcommand parses from it) for `values` by dest."""
+    line, args = command_line(name, values)
+    return command(*line), args
 
 
 def relative(workdir: Workdir, name: str, key: str) -> str:
     return workdir.relative(workdir.path(name, key))
+
+
+def path_keys(body: type[BaseModel]) -> set[str]:
+    """The fields of a request body that its types mark as local paths (PathName), alone or in a list."""
+    return {name for name, field in body.model_fields.items()
+            if path_mark(field.annotation) is not None or any(isinstance(m, LocalPath) for m in field.metadata)}
+
+
+def confined(workdir: Workdir, body: BaseModel) -> dict[str, Any]:
+    """The body's values, each path checked to be inside the workdir (OutsideWorkdir naming its field) and given
+    relative to it, as the commands run from the workdir take it."""
+    values = body.model_dump()
+    for key in path_keys(type(body)):
+        value = values[key]
+        if isinstance(value, list):
+            values[key] = [relative(workdir, item, key) for item in value]
+        elif value is not None:
+            values[key] = relative(workdir, value, key)
+    return values
 
 
 def overrides_of(values: dict[str, Any], defaults: Any = None) -> list[str]:
@@ -92,74 +116,61 @@ def packaged_models() -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- data
 
-def clean_data(workdir: Workdir, inputs: list[str], output_dir: str, filters: Filters, oasst: str = "paths",
-               oasst_preferences: bool = False) -> dict[str, Any]:
+def clean_data(workdir: Workdir, values: dict[str, Any]) -> dict[str, Any]:
     """`clean`: the report (kept and dropped by reason, per file and in total) and the files written."""
-    if not inputs:
+    if not values["inputs"]:
         raise UserError("inputs: give at least one JSONL file or folder")
-    if oasst not in OASST_MODES:
-        raise UserError(f"oasst: must be one of {', '.join(OASST_MODES)}, got {oasst!r}")
-    names = [relative(workdir, name, "inputs") for name in inputs]
-    output = relative(workdir, output_dir, "output_dir")
-    cli = command("clean", *names, "--output-dir", output,
-                  *flag("--drop-ai-disclaimers", filters.drop_ai_disclaimers),
-                  *flag("--drop-refusals", filters.drop_refusals),
-                  *flag("--min-response-chars", filters.min_response_chars or None),
-                  *flag("--oasst", None if oasst == "paths" else oasst),
-                  *flag("--oasst-preferences", oasst_preferences))
-    report = clean(names, output, filters, oasst, oasst_preferences)
+    shown, args = parsed("clean", values)
+    report = clean_command.execute(args)
     total = report["total"]
     if not total.get("kept"):
         dropped = ", ".join(f"{k.split(':', 1)[1]} {v}" for k, v in total.items() if k.startswith("dropped:"))
         raise UserError(f"clean: kept 0 of {total.get('read', 0)} records ({dropped or 'the inputs hold no lines'}); "
-                        f"see {output}/clean_report.json")
-    return {"command": cli, "report": report, "output_dir": output,
-            "files": workdir.listing(output, ("_clean.jsonl",))}
+                        f"see {args.output_dir}/clean_report.json")
+    return {"command": shown, "report": report, "output_dir": args.output_dir,
+            "files": workdir.listing(args.output_dir, ("_clean.jsonl",))}
 
 
-def show_examples(workdir: Workdir, preset: str, model_name: str, dataset_path: str, show: int = 3
-                  ) -> dict[str, Any]:
-    """`data --show N`: both splits' statistics, and the first examples as runs of trained and untrained text
-    (the runs `data --show` marks with {+ +})."""
+def show_examples(workdir: Workdir, values: dict[str, Any], model_name: str, dataset_path: str) -> dict[str, Any]:
+    """`data`: both splits' statistics, and the first `show` examples as runs of trained and untrained text (the
+    runs `data --show` marks with {+ +}). `values`: data's options by dest, `config` a preset's name; `model_name`
+    and `dataset_path` go first among its overrides."""
     known = presets(workdir)
+    preset = values["config"]
     if preset not in known:
         raise UserError(f"config {preset}: not a preset or a saved config; choose one of {', '.join(known)}")
-    if not 0 <= show <= 50:
-        raise UserError(f"show: must be between 0 and 50, got {show}")
-    overrides = [f"model_name={relative(workdir, model_name, 'model_name')}",
-                 f"dataset_path={relative(workdir, dataset_path, 'dataset_path')}"]
-    config = workdir.confine(load_config(known[preset], overrides))
-    cli = command("data", "--config", known[preset] if preset.startswith("configs/train/") else preset, *overrides,
-                  "--show", show)
-    objective = objective_for(config)
-    if not objective.shows_examples:
-        raise UserError(f"{preset}: objective {objective.name}: `data` shows sft examples only; `plan` counts this "
-                        f"objective's tokens and `check` tries a step of it")
-    tokenizer = tokenizer_for(config)
-    (train, _), (train_stats, val_stats) = load_data(config, tokenizer)
+    if not 0 <= values["show"] <= 50:
+        raise UserError(f"show: must be between 0 and 50, got {values['show']}")
+    overrides = [f"model_name={model_name}", f"dataset_path={dataset_path}", *values["overrides"]]
+    workdir.confine(load_config(known[preset], overrides))
+    config = known[preset] if preset.startswith("configs/train/") else preset
+    shown, args = parsed("data", {**values, "config": config, "overrides": overrides})
+    tokenized = data_command.execute(args)
     examples = [{"index": row["index"], "n_trained": row["n_trained"], "length": row["length"],
-                 "spans": trained_spans(row, tokenizer)} for row in train.select(range(min(show, len(train))))]
-    return {"command": cli, "marks": TRAINED_MARKS, "examples": examples,
-            "stats": {"train": dataclasses.asdict(train_stats), "validation": dataclasses.asdict(val_stats)},
-            "summary": [train_stats.describe("train"), val_stats.describe("validation")]}
+                 "spans": trained_spans(row, tokenized.tokenizer)}
+                for row in data_command.shown_rows(tokenized, args.show)]
+    return {"command": shown, "marks": TRAINED_MARKS, "examples": examples,
+            "stats": {"train": dataclasses.asdict(tokenized.train_stats),
+                      "validation": dataclasses.asdict(tokenized.val_stats)},
+            "summary": [tokenized.train_stats.describe("train"), tokenized.val_stats.describe("validation")]}
 
 
 # ---------------------------------------------------------------- before a run
 
-def plan_run(workdir: Workdir, config_path: str, gpus: int = 1) -> dict[str, Any]:
-    name = relative(workdir, config_path, "config")
-    plan = make_plan(load_in(workdir, name), gpus)
-    return {"command": command("plan", "--config", name, *flag("--gpus", gpus if gpus != 1 else None)),
-            "text": plan.describe()}
+def plan_run(workdir: Workdir, values: dict[str, Any]) -> dict[str, Any]:
+    """`plan` of a saved config (its paths confined first)."""
+    load_in(workdir, values["config"])
+    shown, args = parsed("plan", values)
+    return {"command": shown, "text": plan_command.execute(args).describe()}
 
 
-def check_run(workdir: Workdir, config_path: str) -> dict[str, Any]:
-    name = relative(workdir, config_path, "config")
-    load_in(workdir, name)  # its paths confined before the checks read them (and run a step, rewards and all)
+def check_run(workdir: Workdir, values: dict[str, Any]) -> dict[str, Any]:
+    load_in(workdir, values["config"])  # its paths confined before the checks read them (and run a step, rewards)
+    shown, args = parsed("check", values)
     lines: list[str] = []
-    outcomes = run_checks(name, [], report=lines.append)
+    outcomes = check_command.execute(args, lines.append)
     failures = sum(not o.ok for o in outcomes)
-    return {"command": command("check", "--config", name), "lines": lines, "failed": failures,
+    return {"command": shown, "lines": lines, "failed": failures,
             "checks": [dataclasses.asdict(o) for o in outcomes]}
 
 
@@ -168,32 +179,31 @@ def check_run(workdir: Workdir, config_path: str) -> dict[str, Any]:
 Work = Callable[[Callable[[str], None]], Any]
 
 
-def map_job(workdir: Workdir, run_folder: Path, model: str, layout: str = "umap",
-            run_config: Optional[str] = None) -> tuple[list[str], Work]:
+def map_job(workdir: Workdir, run_folder: Path, model: str, layout: str = "umap", run_config: Optional[str] = None,
+            options: Optional[dict[str, Any]] = None) -> tuple[list[str], Work]:
     """`inference` over the run's training data with `model` (its final/ or a step_N/, or a packaged model: the base
-    before training), then `build_map`, into maps/RUN/. `run_config`: the config the studio started the run with,
-    when it did."""
-    if layout not in LAYOUTS:
-        raise UserError(f"layout: must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    before training), then `build_map` with `layout` and its other `options` by dest, into maps/RUN/.
+    `run_config`: the config the studio started the run with, when it did."""
     model_path = relative(workdir, model, "model")
     trained = trained_config(workdir, run_folder, model_path, run_config)
     output = f"{MAPS_DIR}/{run_folder.name}"
     values = {**{key: getattr(trained, key) for key in INFERENCE_KEYS}, "model_name": model_path,
               "output_dir": output}
-    config = workdir.confine(validate(build_config(values, InferenceConfig)))
+    workdir.confine(validate(build_config(values, InferenceConfig)))
     page = f"{output}/map.html"
-    commands = [command("inference", *overrides_of(values, InferenceConfig(model_name=""))),
-                command("build_map", "--input", output, "--output", page, *flag("--layout", layout))]
+    inference_line, inference_args = parsed("inference", {
+        "overrides": overrides_of(values, InferenceConfig(model_name=""))})
+    map_line, map_args = parsed("build_map", {**(options or {}), "input": output, "output": page, "layout": layout})
 
     def work(say):
-        say(f"$ {commands[0]}")
-        run_inference(config)
-        say(f"$ {commands[1]}")
-        result = build_map(output, page, layout=layout)
+        say(f"$ {inference_line}")
+        inference_command.execute(inference_args)
+        say(f"$ {map_line}")
+        result = build_map_command.execute(map_args)
         return {"map": page, "png": workdir.relative(result.png), "points": result.n_points,
                 "input": output, "clusters": result.clusters[:10]}
 
-    return commands, work
+    return [inference_line, map_line], work
 
 
 def trained_config(workdir: Workdir, run_folder: Path, model_path: str, run_config: Optional[str]) -> TrainConfig:
@@ -213,62 +223,60 @@ def trained_config(workdir: Workdir, run_folder: Path, model_path: str, run_conf
     return load_config(found, check=None)
 
 
-def curate_job(workdir: Workdir, map_input: str, output: str, ids: Optional[list[int]], keep_selected: bool,
-               near_duplicates: Optional[float] = None, loss_above: Optional[float] = None,
-               loss_below: Optional[float] = None, name: str = "curated") -> tuple[list[str], Work]:
-    """`curate` of a map's inference run: the map's selection kept (--include-ids) or removed (--exclude-ids),
-    and the rules; a dataset folder to train on."""
-    source = relative(workdir, map_input, "input")
-    target = relative(workdir, output, "output")
-    result = result_path(source)  # the CLI's error for a folder that holds no inference run, before writing in it
+def curate_job(workdir: Workdir, values: dict[str, Any], ids: Optional[list[int]], keep_selected: bool
+               ) -> tuple[list[str], Work]:
+    """`curate` of a map's inference run with curate's options by dest: the map's selection (`ids`) kept
+    (--include-ids) or removed (--exclude-ids); a dataset folder to train on."""
+    if values["name"] is not None:  # the dataset file's name, which must stay in the output folder
+        workdir.path(f"{values['output']}/{values['name']}_clean.jsonl", "name")
+    result = result_path(values["input"])  # the CLI's error for a folder that holds no inference run, before writing
     selection = None
     if ids is not None:  # the map's "download ids" file, next to the run it selects from
         selection = workdir.relative(result.parent / "selection.json")
-        atomic_write(workdir.path(selection), json.dumps({"input": source, "ids": ids}))
+        atomic_write(workdir.path(selection), json.dumps({"input": values["input"], "ids": ids}))
     include, exclude = (selection, None) if keep_selected else (None, selection)
-    options = CurateOptions(near_duplicates, "minilm", loss_above, loss_below, include, exclude, name)
-    commands = [command("curate", "--input", source, "--output", target, *flag("--include-ids", include),
-                        *flag("--exclude-ids", exclude), *flag("--near-duplicates", near_duplicates),
-                        *flag("--loss-above", loss_above), *flag("--loss-below", loss_below),
-                        *flag("--name", None if name == "curated" else name))]
+    shown, args = parsed("curate", {**values, "include_ids": include, "exclude_ids": exclude})
 
     def work(say):
-        say(f"$ {commands[0]}")
-        report = curate(source, target, options)
-        return {"dataset_path": target, "read": report["read"], "kept": report["kept"],
+        say(f"$ {shown}")
+        report = curate_command.execute(args)
+        return {"dataset_path": args.output, "read": report["read"], "kept": report["kept"],
                 "dropped": report["dropped"], "output": workdir.relative(report["output"])}
 
-    return commands, work
+    return [shown], work
 
 
 def eval_job(workdir: Workdir, models: list[str], tasks: list[str], name: str, limit: Optional[int] = None,
-             device: Optional[str] = None) -> tuple[list[str], Work]:
-    """`eval` of one model, or of two (before and after) with `--compare`: the scores side by side. `device`: the
-    studio's --device (None: CUDA when there is one)."""
+             device: Optional[str] = None, options: Optional[dict[str, Any]] = None) -> tuple[list[str], Work]:
+    """`eval` of one model, or of two (before and after) with `--compare`: the scores side by side, on the shipped
+    suite and any task folders of `options["include_path"]`. `device`: the studio's --device (None: CUDA when there
+    is one); `options`: eval's other options by dest."""
     if not 1 <= len(models) <= 2:
         raise UserError("models: give one model, or two to compare (before, after)")
     if not tasks:
         raise UserError("tasks: choose at least one task")
     if limit is not None and limit < 1:
         raise UserError(f"limit: must be at least 1, got {limit}")
+    options = options or {}
     paths = [relative(workdir, model, "models") for model in models]
     folders = [relative(workdir, f"{EVAL_DIR}/{name}/{label}", "name") for label in EVAL_LABELS[:len(paths)]]
-    settings = EvalSettings(tasks=tuple(tasks), include_paths=(str(EVAL_SUITE_DIR),), limit=limit, device=device)
-    commands = [command("eval", "--model", path, "--tasks", ",".join(tasks), "--include-path", EVAL_SUITE_DIR,
-                        *flag("--limit", limit), *flag("--device", device), "--output", folder,
-                        *flag("--compare", f"{folders[0]}/results.json" if index else None))
-                for index, (path, folder) in enumerate(zip(paths, folders))]
+    values = {**options, "tasks": ",".join(tasks), "include_path": [str(EVAL_SUITE_DIR),
+                                                                     *options.get("include_path", [])],
+              "limit": limit, "device": device}
+    lines = [parsed("eval", {**values, "model": path, "output": folder,
+                             "compare": f"{folders[0]}/results.json" if index else None})
+             for index, (path, folder) in enumerate(zip(paths, folders))]
 
     def work(say):
         results = []
-        for cli, path, folder in zip(commands, paths, folders):
-            say(f"$ {cli}")
-            results.append(evaluate(path, settings))
-            write_results(results[-1], folder)
+        for shown, args in lines:
+            say(f"$ {shown}")
+            results.append(eval_command.execute(args)[0])
+            eval_command.write(args, results[-1])
         return {"models": paths, "results": [f"{folder}/results.json" for folder in folders],
                 "rows": score_rows(results)}
 
-    return commands, work
+    return [shown for shown, _ in lines], work
 
 
 def score_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -299,19 +307,14 @@ def bounds(interval) -> Optional[list[Optional[float]]]:
     return [value if math.isfinite(value) else None for value in (interval.low, interval.high)]
 
 
-def export_job(workdir: Workdir, source: str, to: str, fmt: str, dtype: Optional[str] = None
-               ) -> tuple[list[str], Work]:
+def export_job(workdir: Workdir, values: dict[str, Any]) -> tuple[list[str], Work]:
     """`export` as a slim HF folder or a GGUF file, with the chat template; the files as download links."""
-    if fmt not in ("hf", "gguf"):
-        raise UserError(f"format: must be hf or gguf, got {fmt!r}")
-    origin = relative(workdir, source, "source")
-    target = relative(workdir, to, "to")
-    commands = [command("export", "--from", origin, "--to", target, "--format", fmt, *flag("--dtype", dtype))]
+    shown, args = parsed("export", values)
 
     def work(say):
-        say(f"$ {commands[0]}")
-        files = export(origin, target, fmt, dtype)
-        return {"files": [{"path": workdir.relative(path), "bytes": path.stat().st_size} for path in files
+        say(f"$ {shown}")
+        exported = export_command.execute(args)
+        return {"files": [{"path": workdir.relative(path), "bytes": path.stat().st_size} for path in exported.files
                           if path.is_file()]}
 
-    return commands, work
+    return [shown], work

@@ -1,5 +1,7 @@
 """The studio's HTTP side: the page (static files, package data) and the JSON API under /api/ that the page and
-scripts use alike, plus /files/ for what the page shows or downloads from the workdir.
+scripts use alike, plus /files/ for what the page shows or downloads from the workdir. Each page's routes are a
+router of pages.py; here are the guard, the errors, the shell every page shares, and `create_app`, which assembles
+them.
 
 Every request passes two guards first:
 - the browser checks, the same as `serve`'s (serving/guard.py): the Host header must name this machine (a web page
@@ -19,52 +21,44 @@ conflicts with a running one or an upload to a name that is taken, 413 for a bod
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import mimetypes
 import secrets
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from gpt4all_training.config.fields import PathName
 from gpt4all_training.config.secrets import scrub
-from gpt4all_training.data.clean import Filters
 from gpt4all_training.errors import TrainingError, UserError
+from gpt4all_training.files import MARKER
+from gpt4all_training.run_folder import final_folder, step_folders
 from gpt4all_training.serving.guard import BrowserGuard, allowed_hosts
-from gpt4all_training.studio import actions
-from gpt4all_training.studio.chat import ChatModels, ChatRequest
-from gpt4all_training.studio.configs import (EVAL_SUITE_DIR, form_schema, preset_values, presets, save_config,
-                                             saved_name)
+from gpt4all_training.studio import actions, pages
+from gpt4all_training.studio.chat import ChatModels
 from gpt4all_training.studio.jobs import Jobs
-from gpt4all_training.studio.runs import Launch, RunConflict, Runs, accelerate_configs
+from gpt4all_training.studio.pages import UPLOAD_PATH
+from gpt4all_training.studio.runs import RunConflict, Runs
 from gpt4all_training.studio.workdir import (CONFIGS_DIR, DATA_DIR, EXPORTS_DIR, MAPS_DIR, MODELS_DIR, Exists,
                                              OutsideWorkdir, Workdir)
-from gpt4all_training.tracking.tracker import read_metrics
-from gpt4all_training.files import MARKER
-from gpt4all_training.run_folder import METRICS_FILE, final_folder, step_folders
 
 log = logging.getLogger("gpt4all_training.studio")
 
 STATIC = files("gpt4all_training.studio") / "static"
 MAX_JSON_BYTES = 1 << 20
-UPLOAD_PATH = "/api/upload"
 SESSION_COOKIE = "studio_session"
 OPEN_PATHS = ("/api/login",)
-EVENTS_POLL_S = 0.5
 STATUS = {OutsideWorkdir: 403, RunConflict: 409, Exists: 409}
 
 
@@ -146,101 +140,9 @@ def too_large(path: str, settings: StudioSettings) -> str:
     return f"the request body is larger than {MAX_JSON_BYTES:,} bytes"
 
 
-# ---------------------------------------------------------------- request bodies
-# A field that names a file or folder of the workdir is typed PathName, as a config's are: tests plant paths outside
-# the workdir in each one the types mark (tests/hardening/test_studio_confinement.py).
-
-class LoginBody(BaseModel):
-    key: str = Field(max_length=4096)
-
-
-class CleanBody(BaseModel):
-    inputs: list[PathName]
-    output_dir: PathName
-    drop_ai_disclaimers: bool = False
-    drop_refusals: bool = False
-    min_response_chars: int = Field(0, ge=0)
-    oasst: str = "paths"
-    oasst_preferences: bool = False
-
-
-class DataBody(BaseModel):
-    config: str  # a preset's name, looked up among the presets (a saved config's is its path in the workdir)
-    model_name: PathName
-    dataset_path: PathName
-    show: int = 3
-
-
-class ConfigBody(BaseModel):
-    name: str
-    values: dict[str, Any]
-
-
-class PlanBody(BaseModel):
-    config: PathName
-    gpus: int = 1
-
-
-class LaunchBody(BaseModel):
-    config: PathName
-    launcher: str = "python"
-    accelerate_config: Optional[str] = None
-    num_processes: Optional[int] = None
-    devices: str = ""
-    allow_concurrent: bool = False
-
-
-class MapBody(BaseModel):
-    run: str
-    model: PathName
-    layout: str = "umap"
-
-
-class CurateBody(BaseModel):
-    input: PathName
-    output: PathName
-    ids: Optional[list[int]] = None
-    keep_selected: bool = False
-    near_duplicates: Optional[float] = None
-    loss_above: Optional[float] = None
-    loss_below: Optional[float] = None
-
-
-class EvalBody(BaseModel):
-    models: list[PathName]
-    tasks: list[str]
-    name: str
-    limit: Optional[int] = None
-
-
-class ExportBody(BaseModel):
-    source: PathName
-    to: PathName
-    format: str
-    dtype: Optional[str] = None
-
-
-def unsent(rows: list[dict[str, Any]], sent: int, after: int) -> list[dict[str, Any]]:
-    """The rows of metrics.jsonl a run's event stream has still to send: those past the first `sent` (sent before),
-    less those at or before step `after` (the page has them). Counted by place in the file, not by step: the rows a
-    step logs after its training row (validation, per-layer gradient norms) share its step and often land a poll
-    later."""
-    return [row for row in rows[sent:] if row.get("step", 0) > after]
-
-
-def suite_tasks() -> list[str]:
-    """The tasks of the shipped offline suite (configs/eval/*.yaml), by their `task:` names."""
-    names = []
-    for path in sorted(EVAL_SUITE_DIR.glob("*.yaml")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.startswith("task:"):
-                names.append(line.split(":", 1)[1].strip())
-    return names
-
-
 def create_app(settings: StudioSettings) -> BrowserGuard:
     """The studio over `settings.workdir`, which must be the current folder: the commands the pages show run from
-    it, and the package functions read the same relative paths."""
+    it, and the package functions read the same relative paths. One router per page (pages.py), and the shell's."""
     workdir = Workdir(settings.workdir)
     if Path.cwd().resolve() != workdir.root:
         raise UserError(f"the studio must run from its workdir {workdir.root} (it runs from {Path.cwd()})")
@@ -259,7 +161,17 @@ def create_app(settings: StudioSettings) -> BrowserGuard:
 
     app = FastAPI(title="gpt4all-training studio", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    add_error_handlers(app)
+    app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
+    for router in (shell_router(settings, workdir, runs, jobs, sessions), pages.data_router(workdir),
+                   pages.train_router(workdir, runs, api_keys), pages.map_router(workdir, runs, jobs),
+                   pages.evaluate_router(workdir, jobs, settings.device), pages.chat_router(workdir, chats),
+                   pages.export_router(workdir, jobs)):
+        app.include_router(router)
+    return BrowserGuard(Guard(app, settings, sessions), allowed_hosts(settings.host), error_response, log)
 
+
+def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(UserError)
     async def user_error(_request, exc: UserError):
         return error_response(STATUS.get(type(exc), 400), str(exc))
@@ -287,19 +199,22 @@ def create_app(settings: StudioSettings) -> BrowserGuard:
         log.error("request failed", exc_info=exc)
         return error_response(500, f"the studio failed ({type(exc).__name__}); its log has the details")
 
-    def blocking(function, *args, **kwargs):
-        """Run a package function off the event loop: the page stays responsive while it works."""
-        return run_in_threadpool(function, *args, **kwargs)
 
-    # ------------------------------------------------------------ the page, files and login
+class LoginBody(BaseModel):
+    key: str = Field(max_length=4096)
 
-    app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
 
-    @app.get("/")
+def shell_router(settings: StudioSettings, workdir: Workdir, runs: Runs, jobs: Jobs, sessions: set[str]
+                 ) -> APIRouter:
+    """What every page shares: the page itself, the login, the workdir's files and the pickers' lists, and the
+    state of a job any page started."""
+    router = APIRouter()
+
+    @router.get("/")
     async def index():
         return FileResponse(str(STATIC / "index.html"))
 
-    @app.post("/api/login")
+    @router.post("/api/login")
     async def login(body: LoginBody):
         if settings.api_key is None:
             return {"ok": True}
@@ -311,7 +226,7 @@ def create_app(settings: StudioSettings) -> BrowserGuard:
         response.set_cookie(SESSION_COOKIE, token, httponly=True, samesite="strict")
         return response
 
-    @app.get("/files/{name:path}")
+    @router.get("/files/{name:path}")
     async def workdir_file(name: PathName, download: bool = False):
         path = workdir.path(name)
         if not path.is_file():
@@ -321,12 +236,12 @@ def create_app(settings: StudioSettings) -> BrowserGuard:
                             content_disposition_type="attachment" if download else "inline",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    @app.get("/api/status")
+    @router.get("/api/status")
     async def status():
         return {"workdir": str(workdir.root), "auth": settings.api_key is not None,
                 "max_upload_bytes": settings.max_upload_bytes}
 
-    @app.get("/api/files")
+    @router.get("/api/files")
     def listing():
         """What the pickers offer: data files, configs, models (runs' final/ and checkpoints, model folders under
         models/), the packaged models every model picker offers besides, maps and exports."""
@@ -342,133 +257,8 @@ def create_app(settings: StudioSettings) -> BrowserGuard:
                 "models": models, "packaged": actions.packaged_models(), "maps": maps,
                 "exports": workdir.listing(EXPORTS_DIR, (".gguf", ".safetensors"))}
 
-    # ------------------------------------------------------------ data
-
-    @app.post(UPLOAD_PATH)
-    async def upload(request: Request, path: PathName):
-        return await workdir.upload(path, request.stream())
-
-    @app.post("/api/clean")
-    def clean_data(body: CleanBody):
-        filters = Filters(body.drop_ai_disclaimers, body.drop_refusals, body.min_response_chars)
-        return actions.clean_data(workdir, body.inputs, body.output_dir, filters, body.oasst, body.oasst_preferences)
-
-    @app.post("/api/data")
-    def show_examples(body: DataBody):
-        return actions.show_examples(workdir, body.config, body.model_name, body.dataset_path, body.show)
-
-    # ------------------------------------------------------------ configs, plan, check
-
-    @app.get("/api/form")
-    async def form():
-        return {"blocks": form_schema(), "presets": list(presets(workdir)),
-                "accelerate_configs": accelerate_configs()}
-
-    @app.get("/api/presets")
-    def preset(name: str):
-        return {"name": name, "config_name": saved_name(name), "values": preset_values(workdir, name)}
-
-    @app.post("/api/configs")
-    def save(body: ConfigBody):
-        path, config = save_config(workdir, body.name, body.values, api_keys)
-        return {"path": path, "output_dir": config.output_dir,
-                "command": actions.command("train", "--config", path)}
-
-    @app.post("/api/plan")
-    def plan(body: PlanBody):
-        return actions.plan_run(workdir, body.config, body.gpus)
-
-    @app.post("/api/check")
-    def check(body: PlanBody):
-        return actions.check_run(workdir, body.config)
-
-    # ------------------------------------------------------------ runs
-
-    @app.get("/api/runs")
-    def list_runs():
-        return {"runs": runs.list()}
-
-    @app.get("/api/runs/{name}")
-    def run_detail(name: str):
-        return runs.info(name)
-
-    @app.post("/api/runs")
-    def start_run(body: LaunchBody):
-        return runs.start(Launch(**body.model_dump()))
-
-    @app.post("/api/runs/{name}/stop")
-    def stop_run(name: str):
-        return runs.stop(name)
-
-    @app.post("/api/runs/{name}/resume")
-    def resume_run(name: str):
-        return runs.resume(name)
-
-    @app.get("/api/runs/{name}/events")
-    async def run_events(request: Request, name: str, after: int = 0):
-        """Server-sent events: `metrics` (each new row of metrics.jsonl past step `after`) and `state` (the run's
-        state when it changes); the stream ends once the run is no longer running."""
-        folder = runs.folder(name)
-        await blocking(runs.info, name)  # a run the stream could not read is its one-line error, not a cut stream
-
-        async def events():
-            sent, state = 0, None
-            while not await request.is_disconnected():
-                info = await blocking(runs.info, name)
-                logged = await blocking(read_metrics, folder / METRICS_FILE)
-                for row in unsent(logged, sent, after):
-                    yield f"event: metrics\ndata: {json.dumps(row)}\n\n"
-                sent = len(logged)
-                if info["state"] != state:
-                    state = info["state"]
-                    yield f"event: state\ndata: {json.dumps(info)}\n\n"
-                if state != "running":
-                    return
-                await asyncio.sleep(EVENTS_POLL_S)
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    # ------------------------------------------------------------ jobs
-
-    def started(kind: str, planned) -> dict[str, Any]:
-        commands, work = planned
-        return jobs.start(kind, commands, work).as_dict()
-
-    @app.post("/api/jobs/map")
-    def map_job(body: MapBody):
-        run = runs.info(body.run)
-        return started("map", actions.map_job(workdir, runs.folder(body.run), body.model, body.layout,
-                                              run["config"]))
-
-    @app.post("/api/jobs/curate")
-    def curate_job(body: CurateBody):
-        return started("curate", actions.curate_job(workdir, body.input, body.output, body.ids, body.keep_selected,
-                                                    body.near_duplicates, body.loss_above, body.loss_below))
-
-    @app.post("/api/jobs/eval")
-    def eval_job(body: EvalBody):
-        return started("eval", actions.eval_job(workdir, body.models, body.tasks, body.name, body.limit,
-                                                settings.device))
-
-    @app.post("/api/jobs/export")
-    def export_job(body: ExportBody):
-        return started("export", actions.export_job(workdir, body.source, body.to, body.format, body.dtype))
-
-    @app.get("/api/jobs/{job_id}")
+    @router.get("/api/jobs/{job_id}")
     async def job(job_id: str):
         return jobs.get(job_id).as_dict()
 
-    @app.get("/api/eval/tasks")
-    async def eval_tasks():
-        return {"tasks": suite_tasks(), "include_path": str(EVAL_SUITE_DIR)}
-
-    # ------------------------------------------------------------ chat
-
-    @app.post("/api/chat")
-    async def chat(body: ChatRequest):
-        opened = await blocking(chats.open, workdir.relative(workdir.path(body.model, "model")))
-        ticket = chats.ticket(opened, body)
-        return StreamingResponse(chats.stream(opened, ticket), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
-    return BrowserGuard(Guard(app, settings, sessions), allowed_hosts(settings.host), error_response, log)
+    return router

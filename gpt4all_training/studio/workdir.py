@@ -11,13 +11,12 @@ import fcntl
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import AsyncIterator, TypeVar
 
 from gpt4all_training.config.fields import path_values
 from gpt4all_training.errors import UserError
-from gpt4all_training.files import fsync_dir
+from gpt4all_training.files import new_file
 
 log = logging.getLogger("gpt4all_training.studio")
 
@@ -103,8 +102,8 @@ class Workdir:
 
     async def upload(self, name: str, chunks: AsyncIterator[bytes]) -> dict[str, int | str]:
         """Write an uploaded JSONL file to `name`, a new file (the folders are created): streamed to a temporary
-        file in the same folder, checked that every line is a JSON object, then linked to its name, which fails
-        when the name was taken meanwhile (Exists: a concurrent upload of the same name), so an upload never
+        file in the same folder (files.new_file), checked that every line is a JSON object, then linked to its name,
+        which fails when the name was taken meanwhile (Exists: a concurrent upload of the same name), so an upload never
         replaces a file and a failed one leaves nothing behind. The body's size is bounded by the app."""
         target = self.path(name)
         if not target.name.endswith(UPLOAD_SUFFIXES):
@@ -115,24 +114,17 @@ class Workdir:
         if target.exists():
             raise taken
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=PARTIAL_SUFFIX, dir=target.parent)
         size = 0
         try:
-            with os.fdopen(fd, "wb") as out:
+            with new_file(target, suffix=PARTIAL_SUFFIX) as out:
                 fcntl.flock(out, fcntl.LOCK_EX)  # held while the file is in use: a studio starting meanwhile keeps it
                 async for chunk in chunks:
                     size += len(chunk)
                     out.write(chunk)
                 out.flush()
-                os.fsync(out.fileno())  # the bytes on disk before the name points at them, as files.py writes
-                lines = jsonl_lines(Path(tmp), name)
-                try:
-                    os.link(tmp, target)  # unlike a rename, never replaces what is there
-                except FileExistsError:
-                    raise taken from None
-                fsync_dir(target.parent)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+                lines = jsonl_lines(Path(out.name), name)
+        except FileExistsError:
+            raise taken from None
         return {"path": self.relative(target), "bytes": size, "lines": lines}
 
     def remove_partial_uploads(self) -> list[str]:

@@ -50,13 +50,14 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 import yaml
 from safetensors import SafetensorError
 
+from gpt4all_training.backends.backend import ProcessRanks
 from gpt4all_training.config.blocks import Checkpoints
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError, UserError, write_failure
@@ -239,9 +240,35 @@ def set_aside(folder: Path, log: Callable[[str], Any], why: str) -> Path:
     return target
 
 
+class CheckpointingBackend(ProcessRanks, Protocol):
+    """What saving, loading and resuming a checkpoint ask the run's backend (backends/backend.py)."""
+    engine_saves_state: bool
+    engine_state_dir: str
+    engine_name: str
+
+    @property
+    def scaler(self): ...
+
+    def print(self, *args, **kwargs) -> None: ...
+
+    def wait_for_everyone(self) -> None: ...
+
+    def unwrap(self, model): ...
+
+    def saveable_state_dict(self, model) -> dict[str, torch.Tensor]: ...
+
+    def optimizer_state_dict(self, optimizer) -> dict[str, Any]: ...
+
+    def save_engine_state(self, model, optimizer, folder: Path) -> None: ...
+
+    def load_engine_state(self, model, optimizer, folder: Path) -> None: ...
+
+    def engine_pickled_types(self) -> list[type]: ...
+
+
 # ---------------------------------------------------------------- save / load
 
-def save_checkpoint(folder: Path, backend, model, optimizer, scheduler, state: dict[str, Any],
+def save_checkpoint(folder: Path, backend: CheckpointingBackend, model, optimizer, scheduler, state: dict[str, Any],
                     config_yaml: str, data_state: dict[str, Any] | None = None,
                     objective_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the checkpoint atomically. A collective: every rank calls it.
@@ -318,8 +345,8 @@ class Checkpointer:
     """The loop's step_N/ checkpoints: due every save_every steps but the last (final/ is written then), and rotated
     when the run starts, after each save, and when the run ends."""
 
-    def __init__(self, settings: Checkpoints, config_yaml: str, backend, sampler, total_steps: int, lineage: Lineage,
-                 fingerprint: str | None, objective) -> None:
+    def __init__(self, settings: Checkpoints, config_yaml: str, backend: CheckpointingBackend, sampler,
+                 total_steps: int, lineage: Lineage, fingerprint: str | None, objective) -> None:
         self.output_dir = Path(settings.output_dir)
         self.every, self.keep_last, self.keep_every = settings.save_every, settings.keep_last, settings.keep_every
         self.backend, self.sampler, self.total_steps = backend, sampler, total_steps
@@ -369,7 +396,7 @@ def load_model_weights(model, model_dir: Path) -> None:
         raise UserError(f"checkpoint {model_dir}: weights do not fit this model (e.g. {(missing or unexpected)[0]})")
 
 
-def load_checkpoint(folder: Path, backend, model, optimizer, scheduler,
+def load_checkpoint(folder: Path, backend: CheckpointingBackend, model, optimizer, scheduler,
                     verified: dict[Path, str | None] | None = None) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, scaler and this rank's RNG from a verified checkpoint; return its state.
     `verified` holds what verify() already said about folders (see `checked`)."""
@@ -500,7 +527,7 @@ def finished_without_checkpoint(output_dir: Path, config: TrainConfig) -> str:
             f"output_dir")
 
 
-def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print) -> ResumePoint:
+def resume_point(config: TrainConfig, backend: CheckpointingBackend, log: Callable[[str], Any] = print) -> ResumePoint:
     """Decide where the run starts before any data is read, and say so first: the checkpoint it continues (see
     find_resume_checkpoint), checked against this config; or step 0, in a fresh output_dir under resume=never.
     Refused in one line: a checkpoint that does not verify, a config that changes what its run trains (the data's
@@ -551,7 +578,7 @@ def resume_point(config: TrainConfig, backend, log: Callable[[str], Any] = print
     return start
 
 
-def load_objective_state(folder: Path, backend, objective) -> None:
+def load_objective_state(folder: Path, backend: CheckpointingBackend, objective) -> None:
     """Give the objective this rank's objective/rank{r}.pt, when the checkpoint holds objective state: written by
     as many processes as this run has, or refused (each rank's state belongs to its own share of the step)."""
     saved = sorted((folder / OBJECTIVE_DIR).glob("rank*.pt"))
@@ -564,8 +591,8 @@ def load_objective_state(folder: Path, backend, objective) -> None:
     objective.load_state_dict(load_tensors(folder / OBJECTIVE_DIR / f"rank{backend.rank}.pt"))
 
 
-def resume_training(config: TrainConfig, backend, model, optimizer, scheduler, sampler, start: ResumePoint,
-                    fingerprint: str | None = None, log: Callable[[str], Any] = print,
+def resume_training(config: TrainConfig, backend: CheckpointingBackend, model, optimizer, scheduler, sampler,
+                    start: ResumePoint, fingerprint: str | None = None, log: Callable[[str], Any] = print,
                     objective=None) -> tuple[TrainState, Lineage]:
     """The state to start the loop from, restored from `start`'s checkpoint (else step 0), and the run's lineage;
     `objective` gets back its state (load_state_dict) when the checkpoint holds one. A checkpoint whose config

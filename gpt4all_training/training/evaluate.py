@@ -3,11 +3,13 @@ and causal_lm the token-weighted loss: sum of token losses over sum of trained t
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Protocol
 
 import torch
 
+from gpt4all_training.backends.backend import ProcessRanks
 from gpt4all_training.batch import IGNORE
 from gpt4all_training.config.blocks import Evaluation
 from gpt4all_training.data.batching import fetch_batch
@@ -63,9 +65,24 @@ def eval_batches(n_examples: int, batch_size: int, world_size: int, rank: int,
     return out
 
 
+class EvaluatingBackend(ProcessRanks, Protocol):
+    """What validation asks the run's backend (backends/backend.py)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor: ...
+
+    def step_boundary(self) -> None: ...
+
+
 @torch.no_grad()
-def evaluate_loss(model, dataset, backend, batch_size: int, pad_id: int, max_batches: int | None = None,
-                  validation: Validation | None = None) -> dict[str, Any]:
+def evaluate_loss(model, dataset, backend: EvaluatingBackend, batch_size: int, pad_id: int,
+                  max_batches: int | None = None, validation: Validation | None = None) -> dict[str, Any]:
     """The validation metrics (by default TokenValidation's: {"val_loss", "val_ppl", "val_tokens"}); logits are
     never kept across batches. A "validation" bar counts the batches; the caller's line reports the result."""
     validation = validation or TokenValidation()
@@ -91,8 +108,8 @@ def evaluate_loss(model, dataset, backend, batch_size: int, pad_id: int, max_bat
 class Evaluator:
     """The objective's validation on the validation split: due every eval_every steps and at the last step."""
 
-    def __init__(self, settings: Evaluation, batch_size: int, backend, dataset, pad_id: int, total_steps: int, log,
-                 validation: Validation | None = None) -> None:
+    def __init__(self, settings: Evaluation, batch_size: int, backend: EvaluatingBackend, dataset, pad_id: int,
+                 total_steps: int, log, validation: Validation | None = None) -> None:
         self.backend, self.dataset, self.pad_id, self.total_steps, self.log = backend, dataset, pad_id, total_steps, log
         self.every, self.batch_size, self.max_batches = settings.eval_every, batch_size, settings.eval_steps
         self.validation = validation or TokenValidation()

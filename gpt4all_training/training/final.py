@@ -5,11 +5,12 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+import torch
 from safetensors import SafetensorError
 
-from gpt4all_training.backends.replicas import replica_mismatches
+from gpt4all_training.backends.replicas import ComparingBackend, replica_mismatches
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.errors import TrainingError, write_failure
 from gpt4all_training.files import replace_folder, write_marker
@@ -21,7 +22,22 @@ from gpt4all_training.run_folder import CONFIG_FILE, MERGED_DIR, building_folder
 from gpt4all_training.training.checkpoint import Checkpointer
 
 
-def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config_yaml: str,
+class FinishingBackend(ComparingBackend, Protocol):
+    """What the end of a run asks the run's backend (backends/backend.py): the replicas compared, final/ written."""
+
+    @property
+    def is_main_process(self) -> bool: ...
+
+    def print(self, *args, **kwargs) -> None: ...
+
+    def wait_for_everyone(self) -> None: ...
+
+    def saveable_state_dict(self, model) -> dict[str, torch.Tensor]: ...
+
+    def whole_copy(self, unwrapped, state_dict: dict[str, torch.Tensor]): ...
+
+
+def save_final(backend: FinishingBackend, model, tokenizer, folder: Path, merge_lora: bool, config_yaml: str,
                merge_dtype: str = "float32") -> None:
     """final/: the model (or adapter), tokenizer and generation config in safetensors, and the run's config (what
     inference and export read to know how it was trained); optionally final/merged/.
@@ -44,7 +60,7 @@ def save_final(backend, model, tokenizer, folder: Path, merge_lora: bool, config
         raise
 
 
-def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_lora: bool,
+def write_final(unwrapped, backend: FinishingBackend, state_dict, tokenizer, folder: Path, merge_lora: bool,
                 merge_dtype: str = "float32") -> None:
     is_peft = hasattr(unwrapped, "get_base_model")
     base = unwrapped.get_base_model() if is_peft else unwrapped
@@ -69,7 +85,7 @@ def write_final(unwrapped, backend, state_dict, tokenizer, folder: Path, merge_l
         generation.save_pretrained(folder / MERGED_DIR)
 
 
-def merge_quantized(unwrapped, backend, state_dict, tokenizer, merge_dtype: str):
+def merge_quantized(unwrapped, backend: FinishingBackend, state_dict, tokenizer, merge_dtype: str):
     """The adapter merged into its quantized base dequantized (the function it was trained over), with one line that
     says so and how far the merged model's logits are from the quantized base with its adapter."""
     whole = quantized_whole_copy(unwrapped, state_dict) if backend.partitions_parameters else unwrapped
@@ -78,7 +94,7 @@ def merge_quantized(unwrapped, backend, state_dict, tokenizer, merge_dtype: str)
     return merged
 
 
-def finish_run(config: TrainConfig, backend, model, tokenizer, tracker, step: int,
+def finish_run(config: TrainConfig, backend: FinishingBackend, model, tokenizer, tracker, step: int,
                summarize: Callable[[], dict[str, Any]], checkpointer: Checkpointer) -> dict[str, Any]:
     """Everything after the last step of a run that reached it; returns the run's summary (`summarize()`, taken once
     final/ is written, so its peak memory includes the save). Every rank calls it. Checkpoints are rotated once

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -17,10 +16,12 @@ import torch
 import yaml
 
 from gpt4all_training.backends.accelerate import build_backend
+from gpt4all_training.backends.backend import Backend
 from gpt4all_training.config.blocks import Logging
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.config.secrets import redact
 from gpt4all_training.errors import UserError
+from gpt4all_training.files import created_folder
 from gpt4all_training.model.build import check_max_length
 from gpt4all_training.model.isolation import check_isolation
 from gpt4all_training.model.loading import tokenizer_for
@@ -41,7 +42,7 @@ from gpt4all_training.training.step import train_step
 from gpt4all_training.training.stop import GracefulStop
 
 
-def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., Any]] = (),
+def train(config: TrainConfig, backend: Backend | None = None, evaluators: Sequence[Callable[..., Any]] = (),
           notes: Sequence[str] = ()) -> dict[str, Any]:
     """Train as `config` says; the run's summary (with "exit_code" when a signal stopped it with a checkpoint, and
     "already_finished" when output_dir's run had finished with this config, so nothing was trained).
@@ -54,7 +55,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     backend = backend or build_backend(config)
     log = backend.print
     torch.manual_seed(config.seed)
-    require_writable(Path(config.output_dir))
+    created_folder("output_dir", Path(config.output_dir))
     if config.nan_policy == "skip" and not backend.supports_nan_skip:
         raise UserError("nan_policy: 'skip' is not available under DeepSpeed, whose engine applies the update inside "
                         "backward, before the step's loss is known; use 'stop'")
@@ -69,7 +70,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     require_dataset(config.dataset_path)  # a typo is one line now, not after the tokenizer has loaded
 
     tokenizer = tokenizer_for(config)
-    check_max_length(config, tokenizer)  # before the minutes of tokenising
+    check_max_length(config, tokenizer, config.max_length)  # before the minutes of tokenising
     with contextlib.nullcontext() if objective.prepares_once else backend.main_process_first():
         data = objective.load_data(config, tokenizer, log, backend.world_size)
     log(data.train_stats.describe("train"))
@@ -149,7 +150,7 @@ def train(config: TrainConfig, backend=None, evaluators: Sequence[Callable[..., 
     return summary
 
 
-def prepare(model, config: TrainConfig, backend, total_steps: int):
+def prepare(model, config: TrainConfig, backend: Backend, total_steps: int):
     """(model, optimizer, scheduler), wrapped by the backend: the config's optimizer over our parameter groups, our
     lr schedule."""
     optimizer = build_optimizer(config.optimizer, param_groups(model, config.weight_decay, backend.parameter_shape),
@@ -164,7 +165,7 @@ def prepare(model, config: TrainConfig, backend, total_steps: int):
     return model, optimizer, build_scheduler(backend.stepping_optimizer(optimizer), config, total_steps)
 
 
-def grad_norms_interval(config: Logging, backend) -> int | None:
+def grad_norms_interval(config: Logging, backend: Backend) -> int | None:
     """log_grads_every, or None (said once) where the gradients are gone before the loop could read them."""
     if config.log_grads_every and not backend.supports_grad_norms:
         backend.print("log_grads_every: not available under DeepSpeed, whose engine consumes the gradients inside "
@@ -178,20 +179,6 @@ def log_grad_norms(tracker: Tracker, norms: dict[str, torch.Tensor], step: int) 
     histogram (grad_norms/<group>: TensorBoard and wandb)."""
     tracker.log({f"grad_norm/{name}": float(values.square().sum().sqrt()) for name, values in norms.items()}, step)
     tracker.log_histograms({f"grad_norms/{name}": values for name, values in norms.items()}, step)
-
-
-def require_writable(output_dir: Path) -> None:
-    """Create output_dir and prove a file can be written in it: a read-only one would otherwise fail only at the first
-    log line or checkpoint, after the data and model are loaded."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"output_dir {output_dir}: is a file, not a folder; choose another output_dir")
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=output_dir):
-            pass
-    except OSError as exc:
-        raise UserError(f"output_dir {output_dir}: not writable ({exc.strerror or type(exc).__name__}); fix its "
-                        f"permissions or choose another output_dir") from None
 
 
 @contextlib.contextmanager

@@ -276,6 +276,17 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return token_loss(model, batch).total
 
 
+def chunked_head_inputs(model, batch: dict[str, torch.Tensor], targets: torch.Tensor, found):
+    """(final hidden states, targets on their device, trained mask, head, matmul dtype, rows per chunk): what the
+    chunked log-probabilities take, the model run with its head `found` by output_head removed."""
+    parent, name, head = found
+    with head_removed(parent, name):
+        hidden = model(**model_inputs(batch)).logits[:, :-1]
+    targets = targets.to(hidden.device)
+    dtype = compute_dtype(hidden.device, head.weight.dtype)
+    return hidden, targets, targets != IGNORE, head, dtype, max(1, CHUNK_ELEMENTS // head.out_features)
+
+
 def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per row of `batch`, the sum of the log-probabilities of its trained tokens (fp32, differentiable): what a
     preference loss compares. The chunked head is used where it reproduces the model's logits exactly (as in
@@ -288,13 +299,7 @@ def sequence_logps(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         nll = F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
                               reduction="none")
         return -nll.view(targets.shape).sum(1)
-    parent, name, head = found
-    with head_removed(parent, name):
-        hidden = model(**model_inputs(batch)).logits[:, :-1]
-    targets = targets.to(hidden.device)
-    trained = targets != IGNORE
-    dtype = compute_dtype(hidden.device, head.weight.dtype)
-    chunk_rows = max(1, CHUNK_ELEMENTS // head.out_features)
+    hidden, targets, trained, head, dtype, chunk_rows = chunked_head_inputs(model, batch, targets, found)
     logps = ChunkedLinearLogProbs.apply(hidden[trained], head.weight, head.bias, targets[trained], dtype, chunk_rows)
     rows = trained.nonzero()[:, 0]
     return torch.zeros(targets.size(0), dtype=torch.float32, device=hidden.device).index_add(0, rows, logps)
@@ -316,13 +321,7 @@ def token_logps(model, batch: dict[str, torch.Tensor], temperature: float = 1.0)
         with torch.no_grad():
             entropy = -(logp.exp() * logp).sum(-1)
         return torch.where(trained, chosen, 0.0), torch.where(trained, entropy, 0.0)
-    parent, name, head = found
-    with head_removed(parent, name):
-        hidden = model(**model_inputs(batch)).logits[:, :-1]
-    targets = targets.to(hidden.device)
-    trained = targets != IGNORE
-    dtype = compute_dtype(hidden.device, head.weight.dtype)
-    chunk_rows = max(1, CHUNK_ELEMENTS // head.out_features)
+    hidden, targets, trained, head, dtype, chunk_rows = chunked_head_inputs(model, batch, targets, found)
     logps, entropies = ChunkedLinearLogProbs.apply(hidden[trained], head.weight, head.bias, targets[trained], dtype,
                                                    chunk_rows, temperature, True)
     zeros = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)

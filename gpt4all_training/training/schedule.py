@@ -16,8 +16,6 @@ import torch
 
 from gpt4all_training.config.blocks import Schedule
 
-SCHEDULES = ("cosine", "gpt3")
-
 
 def cosine_with_min_lr(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
     """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine from `lr` down to exactly `min_lr` at the last

@@ -8,8 +8,9 @@ batch 2 all take the same step.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,7 +22,33 @@ from gpt4all_training.training.loss import token_loss_sum
 PARAM_GROUP_NAMES = ("decay", "no_decay")
 
 
-def group_grad_norms(optimizer, backend) -> dict[str, torch.Tensor]:
+class SteppingBackend(Protocol):
+    """What an optimizer step asks the run's backend (backends/backend.py)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def micro_batch(self, model, last: bool) -> contextlib.AbstractContextManager[None]: ...
+
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor: ...
+
+    def clip_grad_norm(self, model, max_norm: float | None) -> float: ...
+
+    def parameter_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor: ...
+
+    def step_boundary(self) -> None: ...
+
+
+def group_grad_norms(optimizer, backend: SteppingBackend) -> dict[str, torch.Tensor]:
     """Per parameter group, the gradient norm of each of its parameters (float32, on the CPU). A collective where
     the backend shards gradients."""
     norms = {}
@@ -33,7 +60,7 @@ def group_grad_norms(optimizer, backend) -> dict[str, torch.Tensor]:
     return norms
 
 
-def train_step(model, batches: list[dict[str, torch.Tensor]], backend, optimizer, scheduler,
+def train_step(model, batches: list[dict[str, torch.Tensor]], backend: SteppingBackend, optimizer, scheduler,
                max_grad_norm: float | None, step: int, loss_fn=token_loss_sum, nan_policy: str = "stop",
                grad_norms: bool = False, count=trained_token_count) -> dict[str, Any]:
     """One optimizer step. `loss_fn(model, batch)` is a micro-batch's loss summed over what `count(batch)` counts.

@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Protocol
+
+
+class VotingBackend(Protocol):
+    """What a stop asks the run's backend (backends/backend.py): whether any rank received the signal."""
+
+    def any_rank(self, flag: bool) -> bool: ...
 
 
 class StoppedAtOnce(KeyboardInterrupt):
@@ -52,7 +58,7 @@ class GracefulStop:
         # os.write, not print: a signal handler may run in the middle of another print.
         os.write(2, f"\n{signal.Signals(signum).name} received: {plan} (send it again to stop at once)\n".encode())
 
-    def requested(self, backend) -> bool:
+    def requested(self, backend: VotingBackend) -> bool:
         """Whether any rank got a signal; every rank must call it at the same step, since it is a collective."""
         return backend.any_rank(self.received is not None)
 

@@ -1,8 +1,8 @@
-"""One preparation per dataset under a launcher: torchrun starts 4 gloo processes of `train` on the tiny GPT-J, and
-exactly one of them tokenizes the records (data/cache.py's lock); the others wait on the lock, then read its cache
+"""One preparation per dataset under a launcher: torchrun starts 2 gloo processes of `train` on the tiny GPT-J, and
+exactly one of them tokenizes the records (data/cache.py's lock); the other waits on the lock, then reads its cache
 entry. Counted by tests/distributed/counted_train.py, which records every tokenization with the process that ran it.
-Four processes, not eight: each costs seconds of interpreter start-up on a 2-core machine, and the lock is the same
-for any count."""
+Two processes, the fewest that can both tokenize: each costs seconds of interpreter start-up on a 2-core machine, and
+the lock is the same for any count (a process that skipped it would tokenize too)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from support.files import write_config
 from support.launch import explain, run_train, torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
-PROCESSES = 4
+PROCESSES = 2
 
 
 def test_launched_processes_tokenize_the_records_once(tiny_model_dir, clean_dolly, tmp_path):

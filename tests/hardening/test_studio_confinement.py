@@ -55,6 +55,11 @@ NOT_PATH_PARAMETERS = {
     ("/api/jobs/export", "dtype"): "a choice", ("/api/jobs/{job_id}", "job_id"): "a job's id",
     ("/api/chat", "messages"): "the conversation", ("/api/chat", "messages.0.role"): "a role",
     ("/api/chat", "messages.0.content"): "text",
+    ("/api/data", "overrides"): "key=value overrides: the config they make is confined (the tests above)",
+    ("/api/jobs/map", "color"): "a column name", ("/api/jobs/curate", "embedder"): "a choice",
+    ("/api/jobs/curate", "drop"): "rules on columns", ("/api/jobs/curate", "label_column"): "a column name",
+    ("/api/jobs/curate", "name"): "a file name's stem inside the output folder", ("/api/jobs/eval", "dtype"): "a choice",
+    ("/api/jobs/export", "max_shard_size"): "a size",
 }
 VARIANTS = ("absolute", "dotdot", "home", "link")
 REWARD = "def score(completions, **_):\n    return [0.0 for _ in completions]\n"
@@ -166,24 +171,32 @@ def test_an_outside_path_in_any_config_key_is_403_at_every_endpoint_that_takes_a
 # Valid bodies of the routes that take paths, and the path parameters of every route: one path at a time is
 # replaced by one outside the workdir.
 BODIES = {
-    "/api/clean": {"inputs": ["data/chat.jsonl"], "output_dir": "data/cleaned"},
-    "/api/data": {"config": "configs/ok.yaml", "model_name": "models/tiny", "dataset_path": "data/chat.jsonl"},
+    "/api/clean": {"inputs": ["data/chat.jsonl"], "output_dir": "data/cleaned", "rejects": "data/rejects.jsonl"},
+    "/api/data": {"config": "configs/ok.yaml", "model_name": "models/tiny", "dataset_path": "data/chat.jsonl",
+                  "dump": "data/examples.jsonl"},
     "/api/plan": {"config": "configs/ok.yaml"}, "/api/check": {"config": "configs/ok.yaml"},
     "/api/runs": {"config": "configs/ok.yaml"},
-    "/api/jobs/map": {"run": "r", "model": "runs/r/final"},
-    "/api/jobs/curate": {"input": "maps/r", "output": "data/curated"},
-    "/api/jobs/eval": {"models": ["models/tiny"], "tasks": ["gpt4all_exact_match"], "name": "e"},
-    "/api/jobs/export": {"source": "models/tiny", "to": "exports/x", "format": "hf"},
+    "/api/jobs/map": {"run": "r", "model": "runs/r/final", "compare": "maps/q", "png": "maps/r/map.png",
+                      "clusters_csv": "maps/r/map.csv"},
+    "/api/jobs/curate": {"input": "maps/r", "output": "data/curated", "label_ids": "data/bad.json"},
+    "/api/jobs/eval": {"models": ["models/tiny"], "tasks": ["gpt4all_exact_match"], "name": "e",
+                       "include_path": ["tasks"]},
+    "/api/jobs/export": {"source": "models/tiny", "to": "exports/x", "format": "hf", "base": "models/tiny"},
     "/api/chat": {"model": "models/tiny", "messages": [{"role": "user", "content": "hi"}]},
 }
 PATH_PARAMETERS = [("/files/{name:path}", "path", "name"), ("/api/upload", "query", "path"),
                    ("/api/clean", "body", "inputs"), ("/api/clean", "body", "output_dir"),
+                   ("/api/clean", "body", "rejects"),
                    ("/api/data", "body", "model_name"), ("/api/data", "body", "dataset_path"),
+                   ("/api/data", "body", "dump"),
                    ("/api/plan", "body", "config"), ("/api/check", "body", "config"), ("/api/runs", "body", "config"),
-                   ("/api/jobs/map", "body", "model"), ("/api/jobs/curate", "body", "input"),
-                   ("/api/jobs/curate", "body", "output"), ("/api/jobs/eval", "body", "models"),
+                   ("/api/jobs/map", "body", "model"), ("/api/jobs/map", "body", "compare"),
+                   ("/api/jobs/map", "body", "png"), ("/api/jobs/map", "body", "clusters_csv"),
+                   ("/api/jobs/curate", "body", "input"), ("/api/jobs/curate", "body", "output"),
+                   ("/api/jobs/curate", "body", "label_ids"),
+                   ("/api/jobs/eval", "body", "models"), ("/api/jobs/eval", "body", "include_path"),
                    ("/api/jobs/export", "body", "source"), ("/api/jobs/export", "body", "to"),
-                   ("/api/chat", "body", "model")]
+                   ("/api/jobs/export", "body", "base"), ("/api/chat", "body", "model")]
 
 
 def test_every_text_parameter_of_every_request_is_a_marked_path_or_a_known_name(place):

@@ -43,7 +43,15 @@ def fastapi_app(app: Any) -> FastAPI:
 
 
 def api_routes(app: Any) -> list[APIRoute]:
-    return [route for route in fastapi_app(app).routes if isinstance(route, APIRoute)]
+    """Every route of the app, those of the routers it includes too (FastAPI keeps an included router whole)."""
+    def walk(routes: list[Any]) -> Iterator[APIRoute]:
+        for route in routes:
+            if isinstance(route, APIRoute):
+                yield route
+            elif hasattr(route, "original_router"):
+                yield from walk(route.original_router.routes)
+
+    return list(walk(fastapi_app(app).routes))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 from support.paths import PYTHON, REPO
@@ -28,6 +30,21 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def not_answering(process: subprocess.Popen, url: str, timeout_s: float) -> str | None:
+    """Wait until `url` answers (a server `process` started); None once it does, else why not: the process exited,
+    or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return f"exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return None
+        except OSError:
+            time.sleep(0.3)
+    return f"was not ready after {timeout_s} s"
 
 
 def launch_env() -> dict[str, str]:

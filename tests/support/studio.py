@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from support.files import write_jsonl
-from support.launch import free_port
+from support.launch import free_port, not_answering
 from support.models import build_tiny_llama
 from support.paths import PYTHON, REPO
 from support.shared import shared_fixture_folder
@@ -114,16 +113,9 @@ def start_studio(workdir: Path, log: Path, key: Optional[str] = None, port: Opti
     with open(log, "a") as out:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     studio = Studio(process, f"http://127.0.0.1:{port}", key, log)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the studio exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{studio.url}/", timeout=2):
-                return studio
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError(f"the studio was not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+    if problem := not_answering(process, f"{studio.url}/", STARTUP_TIMEOUT_S):
+        raise AssertionError(f"the studio {problem}:\n{log.read_text()[-3000:]}")
+    return studio
 
 
 def stop_studio(studio: Studio) -> None:

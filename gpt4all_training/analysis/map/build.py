@@ -74,7 +74,8 @@ def build_map(input_path: str | Path, output: str | Path, compare: str | Path | 
     # Named after the page, so that two maps written into one folder keep their own tables.
     csv_path = Path(clusters_csv) if clusters_csv else output.with_suffix(".clusters.csv")
     with stage(log, lambda: f"wrote {output}, {png_path} and {csv_path}"):
-        output.parent.mkdir(parents=True, exist_ok=True)
+        for path in (output, png_path, csv_path):
+            path.parent.mkdir(parents=True, exist_ok=True)
         write_html(page_payload(run, xy, labels, rows, scales, change, other, text_chars, color), output)
         write_png(xy, scales[color], labels, png_path, map_title(run))  # what the page opens with
         write_clusters_csv(rows, csv_path)

@@ -24,6 +24,25 @@ export function setOptions(select, values, placeholder) {
   if (options.some(([value]) => value === current)) select.value = current;
 }
 
+// A form's values by input name, as its request body takes them (each name a CLI option's dest): a checkbox true
+// or false, a number or null, a multiple select a list, the words of `data-list` inputs (and the ticked checkboxes
+// marked so) one list per name, other text or null (null: the CLI's default).
+export function optionValues(form) {
+  const values = {};
+  for (const input of form.querySelectorAll("[name]")) {
+    const text = input.value.trim();
+    if (input.type === "radio") continue;
+    if (input.dataset.list !== undefined) {
+      const words = input.type === "checkbox" ? (input.checked ? [input.value] : []) : text.split(/\s+/);
+      values[input.name] = [...(values[input.name] ?? []), ...words.filter(Boolean)];
+    } else if (input.type === "checkbox") values[input.name] = input.checked;
+    else if (input.multiple) values[input.name] = [...input.selectedOptions].map(o => o.value);
+    else if (input.type === "number") values[input.name] = text === "" ? null : Number(text);
+    else values[input.name] = text === "" ? null : text;
+  }
+  return values;
+}
+
 // The page's one error line (the CLI's `error: ...`), or nothing.
 export function showError(page, error) {
   $(`${page}-error`).textContent = error ? (error.message || String(error)) : "";

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from gpt4all_training.batch import trained_token_count
 from gpt4all_training.config.blocks import Objective
@@ -18,11 +17,11 @@ from gpt4all_training.model.build import build_training_model
 from gpt4all_training.training.counts import DataPlan, TokenCounts
 from gpt4all_training.training.evaluate import TokenValidation
 from gpt4all_training.training.loss import CausalLMLoss
-from gpt4all_training.training.objectives.protocol import Batch, Data, RecordScan
-from gpt4all_training.training.objectives.shared import epochs_line
+from gpt4all_training.training.objectives.protocol import Data, RecordScan
+from gpt4all_training.training.objectives.shared import BatchesFromData, epochs_line
 
 
-class CausalLM:
+class CausalLM(BatchesFromData):
     """"causal_lm": raw text cut into rows of max_length, every position trained but each row's first."""
 
     name = "causal_lm"
@@ -49,23 +48,11 @@ class CausalLM:
         return row_sampler(data.train, config.batch_size, world_size, rank, config.gradient_accumulation_steps,
                            config.seed, config.max_steps)
 
-    def before_training(self, model, data: Data, backend, pad_id: int, log) -> None:
-        """Nothing: the loss needs only the model being trained."""
-
     def steps_line(self, sampler, total_steps: int, num_epochs: int) -> str:
         if sampler.store.streaming:  # a stream's passes are unknown until each one ends
             return (f"{total_steps} optimiser steps (max_steps) over the stream, passing over it as often as that "
                     f"takes (global batch {sampler.examples_per_step} rows)")
         return epochs_line(sampler, total_steps, num_epochs, "rows")
-
-    def step_batches(self, model, backend, dataset, step: int, indices: list[list[int]], pad_id: int) -> list[Batch]:
-        return [self.fetch(dataset, micro, pad_id) for micro in indices]  # from the data alone
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}  # each step's batches come from the data alone
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Nothing to take back."""
 
     def window_metrics(self, backend) -> dict[str, float]:
         return self.loss.window_metrics(backend)  # train/last_loss, train/z_loss (a collective)

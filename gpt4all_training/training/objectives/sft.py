@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from gpt4all_training.batch import trained_token_count
 from gpt4all_training.config.blocks import DataSource, Examples
@@ -22,8 +21,8 @@ from gpt4all_training.model.build import build_training_model
 from gpt4all_training.training.counts import DataPlan, count_run_tokens, run_layout
 from gpt4all_training.training.evaluate import TokenValidation
 from gpt4all_training.training.loss import token_loss_sum
-from gpt4all_training.training.objectives.protocol import Batch, Data, RecordScan
-from gpt4all_training.training.objectives.shared import epochs_line, example_plan, example_sampler
+from gpt4all_training.training.objectives.protocol import Data, RecordScan
+from gpt4all_training.training.objectives.shared import BatchesFromData, epochs_line, example_plan, example_sampler
 
 # Prompt/response fields every fine-tuning record needs.
 FINETUNE_FIELDS = ("prompt", "response")
@@ -39,7 +38,7 @@ def record_problem(record: dict[str, Any], fields: tuple[str, ...]) -> str | Non
     return None
 
 
-class FineTuning:
+class FineTuning(BatchesFromData):
     """"sft": prompt/response examples, padded (or packed) to their micro-batch, trained on the response."""
 
     name = "sft"
@@ -68,23 +67,8 @@ class FineTuning:
         self.fetch = batch_fetcher(config.packing, config.max_length, one_row=attends_per_example(model))
         return model
 
-    def before_training(self, model, data: Data, backend, pad_id: int, log) -> None:
-        """Nothing: the loss needs only the model being trained."""
-
     def steps_line(self, sampler, total_steps: int, num_epochs: int) -> str:
         return epochs_line(sampler, total_steps, num_epochs, "examples")
-
-    def step_batches(self, model, backend, dataset, step: int, indices: list[list[int]], pad_id: int) -> list[Batch]:
-        return [self.fetch(dataset, micro, pad_id) for micro in indices]  # from the data alone
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}  # each step's batches come from the data alone
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Nothing to take back."""
-
-    def window_metrics(self, backend) -> dict[str, float]:
-        return {}
 
     def plan_counts(self, config: Examples, data: Data, sampler, total_steps: int) -> DataPlan:
         lengths = np.asarray(data.train["length"], dtype=np.int64)

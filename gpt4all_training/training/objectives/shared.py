@@ -1,14 +1,44 @@
-"""What more than one objective builds the same way: the sampler over tokenized examples, the line about the run's
-length, and the plan of a split of examples."""
+"""What more than one objective builds the same way: the members of an objective whose batches come from its data
+alone, the sampler over tokenized examples, the line about the run's length, the plan of a split of examples, and
+the frozen copy of the initial weights that a reference can be."""
 
 from __future__ import annotations
 
+import copy
+from typing import Any, Callable
+
 import numpy as np
+import torch
 
 from gpt4all_training.config.schemas import TrainConfig
 from gpt4all_training.data.sampling import StepSampler
+from gpt4all_training.errors import UserError
 from gpt4all_training.training.counts import DataPlan, TokenCounts
-from gpt4all_training.training.objectives.protocol import Data
+from gpt4all_training.training.loss import sequence_logps
+from gpt4all_training.training.objectives.protocol import Batch, Data
+
+
+class BatchesFromData:
+    """The members an objective takes as they are when each step's batches come from its data alone (sft,
+    causal_lm, dpo): each micro-batch is `fetch`ed from the dataset, nothing is kept between steps, nothing is done
+    before step 1 and there are no metrics of its own. An objective defines its own where it does more."""
+
+    fetch: Callable[[Any, list[int], int], Batch]  # a micro-batch of the dataset: (dataset, indices, pad_id)
+
+    def before_training(self, model, data: Data, backend, pad_id: int, log: Callable[[str], Any]) -> None:
+        """Nothing: the loss needs only the model being trained."""
+
+    def step_batches(self, model, backend, dataset, step: int, indices: list[list[int]], pad_id: int) -> list[Batch]:
+        return [self.fetch(dataset, micro, pad_id) for micro in indices]
+
+    def window_metrics(self, backend) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Nothing to take back."""
 
 
 def example_sampler(config: TrainConfig, data: Data, world_size: int, rank: int) -> StepSampler:
@@ -34,3 +64,29 @@ def example_plan(data: Data, sampler: StepSampler, total_steps: int, run: TokenC
                     examples_per_step=sampler.examples_per_step, steps_per_epoch=sampler.steps_per_epoch,
                     dropped_per_epoch=len(train) - sampler.steps_per_epoch * sampler.examples_per_step,
                     total_steps=total_steps, run=run, notes=list(notes))
+
+
+class FrozenCopy:
+    """A frozen copy of the initial weights, scoring each micro-batch without gradient."""
+
+    def __init__(self, model) -> None:
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def __call__(self, model, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            return sequence_logps(self.model, batch)
+
+
+def frozen_copy(model, backend) -> FrozenCopy:
+    """reference: frozen_copy, from the prepared model (still the initial weights)."""
+    if backend.partitions_parameters:
+        raise UserError("reference: frozen_copy needs the whole model in every process, which ZeRO-3 and FSDP2 "
+                        "partition; use reference: precomputed")
+    return FrozenCopy(backend.unwrap(model))
+
+
+def peft_model(model):
+    """The PEFT model inside the DDP, DeepSpeed or compile wrappers."""
+    while not hasattr(model, "disable_adapter"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model

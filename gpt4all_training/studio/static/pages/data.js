@@ -1,7 +1,7 @@
 // Data: upload a JSONL file, clean it (the report: kept and dropped by reason), then tokenize it as `data --show`
 // does, with every run of trained tokens highlighted (<mark class="trained">: what `data --show` puts between {+ +}).
 import {get, post, upload} from "../api.js";
-import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, optionValues, setOptions, showCommand} from "../ui.js";
 
 function stem(path) {
   return path.split("/").pop().replace(/\.jsonl$/, "");
@@ -79,19 +79,17 @@ export function init() {
   }
   $("clean-button").addEventListener("click", event => busy("data", event.target, async () => {
     const path = $("clean-path").value.trim();
-    const inputs = path ? [path] : [...$("clean-inputs").selectedOptions].map(o => o.value);
-    const result = await post("/api/clean", {
-      inputs, output_dir: $("clean-output").value, drop_ai_disclaimers: $("clean-drop-ai").checked,
-      drop_refusals: $("clean-drop-refusals").checked, min_response_chars: Number($("clean-min-chars").value || 0),
-      oasst: $("clean-oasst").value});
+    const values = optionValues($("clean-form"));
+    const result = await post("/api/clean", {...values, inputs: path ? [path] : values.inputs,
+                                             output_dir: values.output_dir ?? ""});
     showCommand("data", result.command);
     $("clean-report").replaceChildren(...reportTable(result.report));
     $("data-dataset").value = result.output_dir;
   }));
   $("data-button").addEventListener("click", event => busy("data", event.target, async () => {
-    const result = await post("/api/data", {config: $("data-config").value, model_name: $("data-model").value,
-                                             dataset_path: $("data-dataset").value,
-                                             show: Number($("data-show").value)});
+    const values = optionValues($("data-form"));
+    const result = await post("/api/data", {...values, model_name: values.model_name ?? "",
+                                             dataset_path: values.dataset_path ?? ""});
     showCommand("data", result.command);
     $("data-stats").replaceChildren(statsTable(result.stats), ...result.summary.map(s => el("div", {class: "note",
                                                                                                  text: s})));

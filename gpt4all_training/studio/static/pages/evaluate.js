@@ -2,7 +2,7 @@
 // side by side with their 95% intervals and their paired difference.
 import {get, runJob} from "../api.js";
 import {formatNumber} from "../chart.js";
-import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, optionValues, setOptions, showCommand} from "../ui.js";
 
 const interval = bounds => bounds ? `[${formatNumber(bounds[0])}, ${formatNumber(bounds[1])}]` : "-";
 
@@ -24,9 +24,9 @@ function table(result) {
 export function init() {
   $("eval-button").addEventListener("click", event => busy("evaluate", event.target, async () => {
     const models = [$("eval-before").value, $("eval-after").value].filter(Boolean);
-    const tasks = [...document.querySelectorAll("#eval-tasks input:checked")].map(i => i.value);
-    const limit = $("eval-limit").value ? Number($("eval-limit").value) : null;
-    const result = await runJob("eval", {models, tasks, name: $("eval-name").value, limit}, job => {
+    const values = optionValues($("eval-form"));
+    const result = await runJob("eval", {...values, models, tasks: values.tasks ?? [], name: $("eval-name").value},
+                                job => {
       showCommand("evaluate", job.commands);
       $("eval-log").textContent = job.log.join("\n");
     });
@@ -40,6 +40,6 @@ export async function show() {
   setOptions($("eval-after"), modelOptions(files));
   if (!$("eval-tasks").children.length) {
     $("eval-tasks").replaceChildren(...suite.tasks.map(task => el("label", {},
-      el("input", {type: "checkbox", value: task, checked: ""}), ` ${task}`)));
+      el("input", {type: "checkbox", name: "tasks", "data-list": "", value: task, checked: ""}), ` ${task}`)));
   }
 }

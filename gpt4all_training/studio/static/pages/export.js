@@ -1,7 +1,7 @@
 // Export: `export` of a final/ or checkpoint as one GGUF file (with the chat template, for llama.cpp, GPT4All and
 // Ollama) or a slim HF folder, with a download link per file.
 import {runJob} from "../api.js";
-import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, optionValues, setOptions, showCommand} from "../ui.js";
 
 function size(bytes) {
   const [unit, scale] = [["GB", 1e9], ["MB", 1e6], ["kB", 1e3]].find(([, s]) => bytes >= s) ?? ["bytes", 1];
@@ -20,8 +20,8 @@ export function init() {
   $("export-source").addEventListener("change", defaultTarget);
   $("export-format").addEventListener("change", defaultTarget);
   $("export-button").addEventListener("click", event => busy("export", event.target, async () => {
-    const result = await runJob("export", {source: $("export-source").value, to: $("export-to").value,
-                                           format: $("export-format").value, dtype: $("export-dtype").value || null},
+    const values = optionValues($("export-form"));
+    const result = await runJob("export", {...values, source: values.source ?? "", to: values.to ?? ""},
                                 job => {
                                   showCommand("export", job.commands);
                                   $("export-log").textContent = job.log.join("\n");

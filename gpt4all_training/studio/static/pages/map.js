@@ -1,7 +1,7 @@
 // Map and curate: `inference` and `build_map` of a run (a job), the map in the page (its own selection tools: search,
 // a cluster, the lasso), `curate` from its selection, and training again on the curated folder.
 import {get, runJob} from "../api.js";
-import {$, busy, listing, packagedOptions, setOptions, showCommand} from "../ui.js";
+import {$, busy, listing, optionValues, packagedOptions, setOptions, showCommand} from "../ui.js";
 
 let runs = [];
 let packaged = [];  // the packaged models: the base before training, mapped over the run's data
@@ -40,8 +40,8 @@ export function init() {
   $("map-run").addEventListener("change", () => setOptions($("map-model"), modelsOf($("map-run").value)));
   $("map-existing").addEventListener("change", () => $("map-existing").value && showMap($("map-existing").value));
   $("map-build").addEventListener("click", event => busy("map", event.target, async () => {
-    const result = await runJob("map", {run: $("map-run").value, model: $("map-model").value,
-                                        layout: $("map-layout").value}, job => {
+    const result = await runJob("map", {...optionValues($("map-form")), run: $("map-run").value,
+                                        model: $("map-model").value}, job => {
       showCommand("map", job.commands);
       $("map-log").textContent = job.log.join("\n");
     });
@@ -54,10 +54,9 @@ export function init() {
     const ids = mode === "none" ? null : selection();
     if (mode !== "none" && ids === null) throw new Error("error: select points on the map first (search, a " +
                                                          "cluster row or the lasso), or ignore the selection");
-    const number = id => $(id).value === "" ? null : Number($(id).value);
-    const result = await runJob("curate", {input: shownMap, output: $("curate-output").value, ids,
-                                           keep_selected: mode === "include", near_duplicates: number("curate-near"),
-                                           loss_above: number("curate-above"), loss_below: number("curate-below")},
+    const values = optionValues($("curate-form"));
+    const result = await runJob("curate", {...values, input: shownMap, output: values.output ?? "", ids,
+                                           keep_selected: mode === "include"},
                                 job => showCommand("map", job.commands));
     const dropped = Object.entries(result.dropped).map(([k, v]) => `${k} ${v}`).join(", ") || "none";
     $("curate-result").textContent = `read ${result.read}, kept ${result.kept}, dropped ${dropped}: ` +

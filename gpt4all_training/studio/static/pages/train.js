@@ -3,7 +3,7 @@
 // (server-sent events), with stop (SIGTERM: a checkpoint is written) and resume.
 import {get, post} from "../api.js";
 import {drawChart, formatNumber} from "../chart.js";
-import {$, busy, el, listing, modelOptions, setOptions, showCommand} from "../ui.js";
+import {$, busy, el, listing, modelOptions, optionValues, setOptions, showCommand} from "../ui.js";
 
 const OPEN_BLOCKS = ["model", "data source", "LoRA", "schedule", "checkpoints"];
 let blocks = [];
@@ -191,7 +191,7 @@ export function init() {
   });
   $("train-plan").addEventListener("click", event => busy("train", event.target, async () => {
     const config = await saveConfig();
-    const plan = await post("/api/plan", {config});
+    const plan = await post("/api/plan", {...optionValues($("train-plan-form")), config});
     showCommand("train", [`${plan.command}`]);
     $("train-output").textContent = plan.text;
   }));

@@ -1,5 +1,5 @@
 """"dpo": prompt/chosen/rejected pairs (data/pairs.py), DPO, IPO or SimPO over the answers' log-probabilities against
-a reference (preference.py beside this); the step's loss is a mean over pairs, not tokens."""
+a reference (loss.py and reference.py beside this); the step's loss is a mean over pairs, not tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from gpt4all_training.config.blocks import DataSource
 from gpt4all_training.config.schemas import TrainConfig
@@ -18,14 +17,14 @@ from gpt4all_training.data.preferences import PAIR_FIELDS, pair_problem
 from gpt4all_training.data.records import records_fingerprint
 from gpt4all_training.model.build import build_training_model
 from gpt4all_training.training.counts import DataPlan, TokenCounts, run_layout
-from gpt4all_training.training.objectives.preference import (REFERENCES, PairValidation, PreferenceLoss,
-                                                             PreferenceSettings, attach_reference, frozen_copy,
-                                                             reference_kind)
-from gpt4all_training.training.objectives.protocol import Batch, Data, RecordScan
-from gpt4all_training.training.objectives.shared import epochs_line, example_plan, example_sampler
+from gpt4all_training.training.objectives.dpo.loss import PairValidation, PreferenceLoss, PreferenceSettings
+from gpt4all_training.training.objectives.dpo.reference import REFERENCES, attach_reference, reference_kind
+from gpt4all_training.training.objectives.protocol import Data, RecordScan
+from gpt4all_training.training.objectives.shared import (BatchesFromData, epochs_line, example_plan, example_sampler,
+                                                         frozen_copy)
 
 
-class DirectPreference:
+class DirectPreference(BatchesFromData):
     """"dpo": prompt/chosen/rejected pairs, each micro-batch B pairs (2B sequences); the loss is DPO's, IPO's or
     SimPO's per pair, and the step's loss their mean over its pairs."""
 
@@ -67,15 +66,6 @@ class DirectPreference:
 
     def steps_line(self, sampler, total_steps: int, num_epochs: int) -> str:
         return epochs_line(sampler, total_steps, num_epochs, "pairs")
-
-    def step_batches(self, model, backend, dataset, step: int, indices: list[list[int]], pad_id: int) -> list[Batch]:
-        return [self.fetch(dataset, micro, pad_id) for micro in indices]  # from the data (and its reference) alone
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}  # each step's batches come from the data alone
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Nothing to take back."""
 
     def window_metrics(self, backend) -> dict[str, float]:
         return self.loss.window_metrics(backend)  # rewards/*, logps/* (a collective)

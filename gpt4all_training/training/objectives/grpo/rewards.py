@@ -1,5 +1,6 @@
-"""grpo's rewards: the functions built in, a user's own function loaded from the file the config names, and scoring
-a batch of completions with all of them.
+"""grpo's rewards: the config's entries as rewards (a kind built in, or a user's own function loaded from the file
+the config names), the record fields they read, scoring a batch of completions with all of them, and the validation
+that scores greedy completions of the held-out prompts.
 
 Every reward is called as TRL calls one: `prompts` (each completion's prompt as the record holds it: text or
 messages), `completions` (the text; for a prompt written as messages, a list of one assistant message, as TRL gives
@@ -7,16 +8,7 @@ a conversational completion), `completion_ids` (the sampled ids, an ending EOS i
 records as a keyword argument, one value per completion; it returns one float per completion. The weighted sum of
 the rewards is a completion's reward.
 
-Built in (config/blocks.py's BUILTIN_REWARDS names them and their keys):
-- exact_match: 1 when the final answer equals the record's `field` (default "answer"), both stripped; the final
-  answer is the completion, or with `pattern` (a regular expression) its last match (its first group when it has
-  one); no match scores 0.
-- numeric_match: 1 when the last number of the completion (or `pattern`'s last match) is within `tolerance`
-  (default 1e-6) of the field's number.
-- format: 1 when the whole completion, stripped, matches `pattern` (re.fullmatch, `.` matching newlines too).
-- length_penalty: DAPO's soft overlong punishment (TRL's get_soft_overlong_punishment): 0 up to
-  max_completion_length - `cache` tokens (cache: a quarter of max_completion_length by default), then falling
-  linearly to -1 at max_completion_length.
+The kinds built in are one entry each in config/rewards.py's REWARD_KINDS, their functions in builtin_rewards.py.
 
 A user's function is read from its file only: the file is parsed (not run) when the data loads, so a missing file or
 function is an error before the model loads, and imported when training starts, with one line saying that it runs
@@ -32,22 +24,28 @@ import ast
 import importlib.util
 import math
 import numbers
-import re
+import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
+import torch
 
-from gpt4all_training.errors import UserError
-
-NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?"
+from gpt4all_training.config.rewards import REWARD_KINDS, compared_field
+from gpt4all_training.data.prompt_records import Prompts
+from gpt4all_training.data.records import record_location
+from gpt4all_training.errors import TrainingError, UserError
+from gpt4all_training.model.decoding import Sampling, Sequence
+from gpt4all_training.training.objectives.grpo.builtin_rewards import as_number
+from gpt4all_training.training.objectives.grpo.rollout import Decoder, completion_ids
+from gpt4all_training.training.objectives.protocol import Batch
 
 
 @dataclass
 class Reward:
     """One entry of `rewards`: what its metrics are called (rewards/<name>/mean), its weight, where it comes from
-    ("built in", or the user's file) and the function (None for a user's until `load` runs its file)."""
+    ("built in", or the user's file) and the function (None for a user's until `load_user_reward` runs its file)."""
     name: str
     weight: float
     origin: str
@@ -60,84 +58,12 @@ class Reward:
         return f"reward {self.name}" if self.origin == "built in" else f"reward {self.name} in {self.origin}"
 
 
-# ---------------------------------------------------------------- the built-in rewards
-
-def completion_text(completion: Any) -> str:
-    """A completion's text: itself, or the content of its assistant message."""
-    if isinstance(completion, str):
-        return completion
-    return "".join(m.get("content") or "" for m in completion)
-
-
-def final_answer(text: str, pattern: Optional[str]) -> Optional[str]:
-    """The completion's final answer: the text stripped, or `pattern`'s last match in it (its first group when it
-    has one), stripped; None when the pattern does not match."""
-    if pattern is None:
-        return text.strip()
-    matches = list(re.finditer(pattern, text, re.DOTALL))
-    if not matches:
-        return None
-    last = matches[-1]
-    return (last.group(1) if last.re.groups else last.group(0)).strip()
-
-
-def as_number(text: Optional[str]) -> Optional[float]:
-    if text is None:
-        return None
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return None
-
-
-def exact_match(field: str = "answer", pattern: Optional[str] = None) -> Callable[..., list[float]]:
-    def reward(completions, **columns) -> list[float]:
-        return [float(final_answer(completion_text(c), pattern) == str(answer).strip())
-                for c, answer in zip(completions, columns[field])]
-    return reward
-
-
-def numeric_match(field: str = "answer", pattern: Optional[str] = None,
-                  tolerance: float = 1e-6) -> Callable[..., list[float]]:
-    def reward(completions, **columns) -> list[float]:
-        out = []
-        for completion, answer in zip(completions, columns[field]):
-            got, expected = as_number(final_answer(completion_text(completion), pattern or NUMBER)), \
-                as_number(str(answer))
-            out.append(float(got is not None and expected is not None and abs(got - expected) <= tolerance))
-        return out
-    return reward
-
-
-def format_match(pattern: str) -> Callable[..., list[float]]:
-    compiled = re.compile(pattern, re.DOTALL)
-
-    def reward(completions, **columns) -> list[float]:
-        return [float(compiled.fullmatch(completion_text(c).strip()) is not None) for c in completions]
-    return reward
-
-
-def length_penalty(max_completion_length: int, cache: Optional[int] = None) -> Callable[..., list[float]]:
-    cache = cache or max(1, max_completion_length // 4)
-    free = max_completion_length - cache
-
-    def reward(completion_ids, **columns) -> list[float]:
-        return [0.0 if len(ids) <= free else (free - len(ids)) / cache for ids in completion_ids]
-    return reward
-
-
 def builtin_reward(entry: dict[str, Any], max_completion_length: int) -> Reward:
-    name, weight = entry["name"], float(entry.get("weight", 1.0))
-    if name == "exact_match":
-        field = entry.get("field", "answer")
-        return Reward(name, weight, "built in", exact_match(field, entry.get("pattern")), (field,))
-    if name == "numeric_match":
-        field = entry.get("field", "answer")
-        return Reward(name, weight, "built in", numeric_match(field, entry.get("pattern"),
-                                                              float(entry.get("tolerance", 1e-6))), (field,), True)
-    if name == "format":
-        return Reward(name, weight, "built in", format_match(entry["pattern"]))
-    return Reward(name, weight, "built in", length_penalty(max_completion_length, entry.get("cache")))
+    """The reward an entry naming a kind built in describes."""
+    kind = REWARD_KINDS[entry["name"]]
+    function = pkgutil.resolve_name(kind.implementation)(entry, max_completion_length)
+    return Reward(kind.name, float(entry.get("weight", 1.0)), "built in", function,
+                  (compared_field(entry),) if kind.compares_field else (), kind.numeric)
 
 
 def rewards_of(config) -> list[Reward]:
@@ -277,3 +203,72 @@ def shown(value: Any) -> str:
     except Exception:  # a repr that fails (the user's class, an int of too many digits): its type instead
         return f"a {type(value).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---------------------------------------------------------------- a run's rewards on its prompts
+
+def check_reward_fields(rewards: list[Reward], dataset_path: str, *splits: Prompts) -> None:
+    """Every kept record has the fields the built-in rewards read (numbers where they compare numbers)."""
+    for split in splits:
+        for fields, position in zip(split.fields, split.index):
+            for reward in rewards:
+                for name in reward.fields:
+                    value = fields.get(name)
+                    if value is None:
+                        problem = f"no {name!r} field, which {reward.described} reads"
+                    elif reward.numeric and (isinstance(value, bool) or as_number(str(value)) is None):
+                        problem = f"field {name!r} is {value!r}, not the number {reward.described} compares with"
+                    else:
+                        continue
+                    raise UserError(f"{record_location(dataset_path, position)}: {problem}; fix the record or the "
+                                    f"reward's field")
+
+
+def score_completions(rewards: list[Reward], sequences: list[Sequence], prompts: Prompts, positions: list[int],
+                      per_prompt: int, backend) -> tuple[np.ndarray, torch.Tensor]:
+    """(each reward's values, the weighted sums) of the completions, `per_prompt` of each prompt at `positions`; a
+    reward that fails on any process stops every process with its line."""
+    chat = [isinstance(prompts.prompts[p], list) for p in positions for _ in range(per_prompt)]
+    texts = [s.text for s in sequences]
+    completions = [[{"role": "assistant", "content": text}] if is_chat else text for text, is_chat in
+                   zip(texts, chat)]
+    fields = [prompts.fields[p] for p in positions for _ in range(per_prompt)]
+    columns = {name: [f.get(name) for f in fields] for name in dict.fromkeys(k for f in fields for k in f)}
+    values, problem = score(rewards, [prompts.prompts[p] for p in positions for _ in range(per_prompt)],
+                            completions, [completion_ids(s) for s in sequences], columns)
+    if backend.any_rank(problem is not None):
+        raise TrainingError(f"{problem or 'a reward failed on another process (its output names it)'}; fix it, "
+                            f"then run the same command again to continue from the last checkpoint")
+    weights = np.array([reward.weight for reward in rewards])
+    return values, torch.from_numpy(values @ weights)
+
+
+class RewardValidation:
+    """Validation of a grpo run: one greedy completion of each held-out prompt, scored by the rewards: the mean
+    reward (val_reward), each reward's mean and the completions' mean length. Held-out prompts are sampled on every
+    process as validation shares any split (evaluate.py)."""
+
+    def __init__(self, rewards: list[Reward], decoder: Decoder, max_completion_length: int) -> None:
+        self.rewards, self.decoder, self.max_completion_length = rewards, decoder, max_completion_length
+        self.prompts = Prompts()  # the held-out prompts, once the objective has loaded its data
+        self.width = 3 + len(rewards)  # completions, weighted reward, completion tokens, each reward
+
+    def fetch(self, dataset, indices: list[int], pad_id: int) -> Batch:
+        return {"position": torch.tensor(indices, dtype=torch.long)}
+
+    def sums(self, model, batch: Batch) -> torch.Tensor:
+        positions = batch["position"].tolist()
+        sequences = [Sequence(self.prompts.ids[p], self.max_completion_length, Sampling()) for p in positions]
+        self.decoder.decode(model, sequences, greedy=True)
+        values, total = score_completions(self.rewards, sequences, self.prompts, positions, 1, self.decoder.backend)
+        tokens = sum(len(s.ids) + (s.eos_id is not None) for s in sequences)
+        return torch.tensor([len(sequences), float(total.sum()), tokens, *values.sum(axis=0)], dtype=torch.float64)
+
+    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        count = totals[0].item()
+        if not count:
+            return {}
+        names = [reward.name for reward in self.rewards]
+        return {"val_reward": totals[1].item() / count,
+                **{f"val_rewards/{name}/mean": value / count for name, value in zip(names, totals[3:].tolist())},
+                "val_completions/mean_length": totals[2].item() / count, "val_prompts": int(count)}
