@@ -135,7 +135,7 @@ def load_tokenizer(name: str, revision: str | None = None, gguf_file: str | None
 
                 tokenizer = TokenizersBackend.from_pretrained(source)
             else:
-                with gguf_parsed_once():
+                with gguf_parsed_once() if extra.get("gguf_file") else contextlib.nullcontext():
                     tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, use_fast=True,
                                                               trust_remote_code=trust_remote_code, **extra)
     except Exception:
@@ -272,7 +272,7 @@ def load_model(name: str, revision: str | None = None, gguf_file: str | None = N
             extra["device_map"] = {"": device}
     # transformers 5 always builds the model empty and loads weights into it (what low_cpu_mem_usage was), and
     # under ZeRO-3 partitions each parameter as it is built, so no rank ever holds a whole fp32 copy.
-    with loading_errors(f"{key} {name}"), gguf_parsed_once():
+    with loading_errors(f"{key} {name}"), gguf_parsed_once() if extra.get("gguf_file") else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype,
                                                      trust_remote_code=trust_remote_code, **extra)
     if extra.get("gguf_file"):
